@@ -1,0 +1,10 @@
+//! Types shared by the BPF programs and the agent: map keys and values,
+//! map names and sizes, flags. Everything here is `#[repr(C)]` plain data so
+//! the two sides agree byte for byte.
+#![no_std]
+
+pub mod addr;
+pub mod maps;
+
+pub use addr::Addr;
+pub use maps::*;

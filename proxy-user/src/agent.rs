@@ -1,0 +1,137 @@
+//! `ebpf-proxy run`: source -> model -> reconciler -> maps, with the
+//! interface watcher and health server beside it. Stopping leaves the
+//! dataplane serving; the next agent adopts it.
+
+use std::{sync::Arc, time::Duration};
+
+use anyhow::{Context, Result};
+use tokio::{
+    signal::unix::{SignalKind, signal},
+    sync::{oneshot, watch},
+    time::Instant,
+};
+use tracing::{error, info, warn};
+
+use crate::{
+    attach::Attacher,
+    cli::RunArgs,
+    health::{self, Health},
+    maps::{self, Maps},
+    model::{self, ModelConfig, ObjectError},
+    reconciler::Reconciler,
+    source::{Snapshot, Source, manifests::ManifestsSource},
+};
+
+/// After a failed sync, try again this soon.
+const RETRY: Duration = Duration::from_secs(1);
+
+pub async fn run(args: RunArgs) -> Result<()> {
+    let node_name = match &args.node_name {
+        Some(n) => n.clone(),
+        None => nix::unistd::gethostname()?.to_string_lossy().into_owned(),
+    };
+    let source = match (&args.manifests, &args.kubeconfig) {
+        (Some(dir), _) => ManifestsSource::new(dir)?,
+        (None, _) => anyhow::bail!(
+            "the Kubernetes API source is not available in this build yet; run with --manifests DIR"
+        ),
+    };
+
+    let (ebpf, mut maps) = maps::load(&args.bpffs_root)?;
+    let held = maps.read_contents().context("read pinned maps")?;
+    info!(
+        bpffs_root = %args.bpffs_root.display(),
+        frontends = held.frontends.len(),
+        backends = held.backends.len(),
+        "dataplane loaded (pinned maps adopted)"
+    );
+    let mut reconciler = Reconciler::adopt(held);
+
+    let attacher = Attacher::new(ebpf, &args.bpffs_root, args.devices.clone())?;
+    let (ready_tx, ready_rx) = oneshot::channel();
+    let mut attach_task = tokio::spawn(attacher.run(ready_tx));
+    if ready_rx.await.is_err() {
+        return Err(attach_task.await?.expect_err("attacher stopped before it was ready"));
+    }
+
+    let health = Health::default();
+    health::serve(args.healthz_bind_address, health.clone()).await?;
+
+    let (tx, mut rx) = watch::channel(None);
+    let mut source_task = tokio::spawn(source.run(tx));
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+
+    let config = ModelConfig { node_name };
+    let mut syncer = Syncer { config, last_errors: Vec::new(), health };
+    let mut pending: Option<Arc<Snapshot>> = None;
+    let mut retry_at: Option<Instant> = None;
+    loop {
+        tokio::select! {
+            changed = rx.changed() => {
+                if changed.is_err() {
+                    let res = (&mut source_task).await?;
+                    return res.context("source stopped");
+                }
+                pending = rx.borrow_and_update().clone();
+                retry_at = None;
+            }
+            _ = async { tokio::time::sleep_until(retry_at.unwrap()).await }, if retry_at.is_some() => {
+                retry_at = None;
+            }
+            res = &mut attach_task => {
+                return Err(res?.expect_err("interface watcher stopped")).context("interface watcher");
+            }
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+        }
+        if let Some(snap) = pending.take() {
+            if !syncer.sync(&snap, &mut reconciler, &mut maps) {
+                pending = Some(snap);
+                retry_at = Some(Instant::now() + RETRY);
+            }
+        }
+    }
+    info!("stopping: programs and pinned maps stay in place, traffic keeps flowing (`ebpf-proxy cleanup` removes them)");
+    Ok(())
+}
+
+struct Syncer {
+    config: ModelConfig,
+    last_errors: Vec<ObjectError>,
+    health: Health,
+}
+
+impl Syncer {
+    /// One pass; false when it must be retried.
+    fn sync(&mut self, snap: &Snapshot, reconciler: &mut Reconciler, maps: &mut Maps) -> bool {
+        let start = std::time::Instant::now();
+        let (desired, errors) = model::build(snap, &self.config);
+        // Each bad object is reported when it appears, not on every sync.
+        for e in errors.iter().filter(|e| !self.last_errors.contains(e)) {
+            warn!("skipped {e}");
+        }
+        self.last_errors = errors;
+        match reconciler.sync(&desired, maps) {
+            Ok(stats) => {
+                self.health.sync_succeeded();
+                info!(
+                    services = desired.backend_sets.len(),
+                    frontends = stats.frontends,
+                    backends = stats.backends,
+                    writes = stats.writes,
+                    deletes = stats.deletes,
+                    skipped_objects = self.last_errors.len(),
+                    elapsed_us = start.elapsed().as_micros() as u64,
+                    "sync done"
+                );
+                true
+            }
+            Err(e) => {
+                self.health.sync_failed();
+                error!("sync failed, retrying in {RETRY:?}: {e:#}");
+                false
+            }
+        }
+    }
+}

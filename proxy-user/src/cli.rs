@@ -1,0 +1,64 @@
+//! Command line, with kube-proxy's flag names where kube-proxy has the same idea.
+
+use std::{net::SocketAddr, path::PathBuf};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::dump::Output;
+
+pub const DEFAULT_BPFFS_ROOT: &str = "/sys/fs/bpf/ebpf-proxy";
+
+#[derive(Parser, Debug)]
+#[command(name = "ebpf-proxy", version, about = "A kube-proxy replacement: Kubernetes Services translated by eBPF")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the agent: watch Services and EndpointSlices, program the dataplane.
+    Run(RunArgs),
+    /// Show what the dataplane holds (reads the pinned maps; works with the agent stopped).
+    Dump {
+        what: DumpWhat,
+        #[arg(short = 'o', long, value_enum, default_value = "table")]
+        output: Output,
+        #[arg(long, default_value = DEFAULT_BPFFS_ROOT)]
+        bpffs_root: PathBuf,
+    },
+    /// Remove every program link and pinned map the agent installed, and nothing else.
+    Cleanup {
+        #[arg(long, default_value = DEFAULT_BPFFS_ROOT)]
+        bpffs_root: PathBuf,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DumpWhat {
+    Services,
+    Backends,
+    Conntrack,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Read Services and EndpointSlices from the YAML/JSON files under DIR, live.
+    #[arg(long, value_name = "DIR", conflicts_with = "kubeconfig")]
+    pub manifests: Option<PathBuf>,
+    /// Watch the Kubernetes API with this kubeconfig.
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+    /// This node's name (endpoints on it are local). Default: $NODE_NAME, then the hostname.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// Attach only to these interfaces. Default: every non-loopback
+    /// interface, including ones that appear later.
+    #[arg(long, value_delimiter = ',', value_name = "IFACE[,IFACE]")]
+    pub devices: Option<Vec<String>>,
+    /// Where maps and links are pinned; one directory per agent instance.
+    #[arg(long, default_value = DEFAULT_BPFFS_ROOT)]
+    pub bpffs_root: PathBuf,
+    #[arg(long, default_value = "0.0.0.0:10256")]
+    pub healthz_bind_address: SocketAddr,
+}

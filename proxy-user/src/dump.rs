@@ -1,0 +1,226 @@
+//! `ebpf-proxy dump`: what the pinned maps hold, by name and address rather
+//! than by raw ID. Reads the pins directly, so it works with the agent stopped.
+
+use std::{collections::BTreeMap, net::SocketAddr, path::Path};
+
+use anyhow::Result;
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use proxy_common::*;
+use serde::Serialize;
+
+use crate::maps::Maps;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Debug, Serialize, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ServiceRow {
+    pub service: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub frontend: String,
+    pub scope: String,
+    pub backends: Vec<BackendRef>,
+}
+
+#[derive(Debug, Serialize, PartialEq, Eq, PartialOrd, Ord)]
+pub struct BackendRef {
+    pub address: String,
+    pub state: Vec<&'static str>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BackendRow {
+    pub id: u32,
+    pub address: String,
+    pub protocol: &'static str,
+    pub state: Vec<&'static str>,
+    pub services: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ConntrackRow {
+    pub direction: &'static str,
+    pub protocol: &'static str,
+    pub source: String,
+    pub destination: String,
+    /// ORIGINAL: the backend the destination becomes; REPLY: the frontend the source becomes.
+    pub translated_to: String,
+    pub service: String,
+    pub age_seconds: f64,
+    pub idle_seconds: f64,
+}
+
+pub fn protocol_name(proto: u8) -> &'static str {
+    match proto {
+        IPPROTO_TCP => "TCP",
+        IPPROTO_UDP => "UDP",
+        IPPROTO_SCTP => "SCTP",
+        _ => "?",
+    }
+}
+
+pub fn kind_name(kind: u8) -> &'static str {
+    match kind {
+        KIND_CLUSTER_IP => "ClusterIP",
+        KIND_NODE_PORT => "NodePort",
+        KIND_EXTERNAL_IP => "ExternalIP",
+        KIND_LOAD_BALANCER => "LoadBalancer",
+        _ => "?",
+    }
+}
+
+fn scope_name(scope: u8) -> &'static str {
+    if scope == SCOPE_EXTERNAL { "external" } else { "internal" }
+}
+
+fn state_names(flags: u8) -> Vec<&'static str> {
+    let mut s = Vec::new();
+    for (bit, name) in [
+        (BACKEND_READY, "ready"),
+        (BACKEND_SERVING, "serving"),
+        (BACKEND_TERMINATING, "terminating"),
+        (BACKEND_LOCAL, "local"),
+    ] {
+        if flags & bit != 0 {
+            s.push(name);
+        }
+    }
+    s
+}
+
+fn endpoint(addr: Addr, port_be: u16) -> String {
+    SocketAddr::new(addr.to_ip(), u16::from_be(port_be)).to_string()
+}
+
+pub fn services(maps: &Maps) -> Result<Vec<ServiceRow>> {
+    let c = maps.read_contents()?;
+    let mut rows: Vec<ServiceRow> = c
+        .frontends
+        .iter()
+        .map(|(key, entry)| {
+            let backends = (0..entry.backend_count)
+                .filter_map(|slot| c.slots.get(&SlotKey { service_id: entry.service_id, slot }))
+                .filter_map(|id| c.backends.get(id))
+                .map(|b| BackendRef { address: endpoint(b.addr, b.port), state: state_names(b.flags) })
+                .collect();
+            ServiceRow {
+                service: c.names.get(&entry.service_id).map_or_else(|| format!("<id {}>", entry.service_id), |n| n.0.clone()),
+                kind: kind_name(entry.kind).into(),
+                frontend: format!("{}/{}", endpoint(key.addr, key.port), protocol_name(key.proto)),
+                scope: scope_name(key.scope).into(),
+                backends,
+            }
+        })
+        .collect();
+    rows.sort();
+    Ok(rows)
+}
+
+pub fn backends(maps: &Maps) -> Result<Vec<BackendRow>> {
+    let c = maps.read_contents()?;
+    let mut users: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+    for (slot, id) in &c.slots {
+        if let Some((name, _)) = c.names.get(&slot.service_id) {
+            let list = users.entry(*id).or_default();
+            if !list.contains(name) {
+                list.push(name.clone());
+            }
+        }
+    }
+    let mut rows: Vec<BackendRow> = c
+        .backends
+        .iter()
+        .map(|(id, b)| BackendRow {
+            id: *id,
+            address: endpoint(b.addr, b.port),
+            protocol: protocol_name(b.proto),
+            state: state_names(b.flags),
+            services: users.remove(id).map(|mut v| {
+                v.sort();
+                v
+            }).unwrap_or_default(),
+        })
+        .collect();
+    rows.sort_by_key(|r| r.id);
+    Ok(rows)
+}
+
+pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
+    let names = maps.read_contents()?.names;
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
+    let now_ns = now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64;
+    let secs = |t: u64| now_ns.saturating_sub(t) as f64 / 1e9;
+    let mut rows = Vec::new();
+    for kv in maps.conntrack.iter() {
+        let (k, v) = kv?;
+        rows.push(ConntrackRow {
+            direction: if v.direction == CT_REPLY { "reply" } else { "original" },
+            protocol: protocol_name(k.proto),
+            source: endpoint(k.src, k.sport),
+            destination: endpoint(k.dst, k.dport),
+            translated_to: endpoint(v.nat_addr, v.nat_port),
+            service: names.get(&v.service_id).map_or_else(|| format!("<id {}>", v.service_id), |n| n.0.clone()),
+            age_seconds: (secs(v.created_ns) * 10.0).round() / 10.0,
+            idle_seconds: (secs(v.last_seen_ns) * 10.0).round() / 10.0,
+        });
+    }
+    rows.sort_by(|a, b| (&a.service, &a.source, a.direction).cmp(&(&b.service, &b.source, b.direction)));
+    Ok(rows)
+}
+
+fn table(header: &[&str], rows: impl IntoIterator<Item = Vec<String>>) -> String {
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED).set_header(header.to_vec());
+    for r in rows {
+        t.add_row(r);
+    }
+    t.to_string()
+}
+
+pub fn print(what: crate::cli::DumpWhat, output: Output, root: &Path) -> Result<()> {
+    use crate::cli::DumpWhat;
+    let maps = Maps::open_pinned(root)?;
+    let text = match (what, output) {
+        (DumpWhat::Services, Output::Json) => serde_json::to_string_pretty(&services(&maps)?)?,
+        (DumpWhat::Backends, Output::Json) => serde_json::to_string_pretty(&backends(&maps)?)?,
+        (DumpWhat::Conntrack, Output::Json) => serde_json::to_string_pretty(&conntrack(&maps)?)?,
+        (DumpWhat::Services, Output::Table) => table(
+            &["SERVICE", "TYPE", "FRONTEND", "SCOPE", "BACKENDS"],
+            services(&maps)?.into_iter().map(|r| {
+                let backends = if r.backends.is_empty() {
+                    "(none: traffic is refused)".to_string()
+                } else {
+                    r.backends.iter().map(|b| format!("{} ({})", b.address, b.state.join(","))).collect::<Vec<_>>().join("\n")
+                };
+                vec![r.service, r.kind, r.frontend, r.scope, backends]
+            }),
+        ),
+        (DumpWhat::Backends, Output::Table) => table(
+            &["ID", "BACKEND", "PROTO", "STATE", "SERVICES"],
+            backends(&maps)?.into_iter().map(|r| {
+                vec![r.id.to_string(), r.address, r.protocol.into(), r.state.join(","), r.services.join("\n")]
+            }),
+        ),
+        (DumpWhat::Conntrack, Output::Table) => table(
+            &["SERVICE", "DIR", "PROTO", "SOURCE", "DESTINATION", "TRANSLATED TO", "AGE", "IDLE"],
+            conntrack(&maps)?.into_iter().map(|r| {
+                vec![
+                    r.service,
+                    r.direction.into(),
+                    r.protocol.into(),
+                    r.source,
+                    r.destination,
+                    r.translated_to,
+                    format!("{:.1}s", r.age_seconds),
+                    format!("{:.1}s", r.idle_seconds),
+                ]
+            }),
+        ),
+    };
+    println!("{text}");
+    Ok(())
+}

@@ -1,0 +1,13 @@
+//! The ebpf-proxy agent and CLI.
+
+pub mod agent;
+pub mod attach;
+pub mod cleanup;
+pub mod cli;
+pub mod dump;
+pub mod health;
+pub mod manifest;
+pub mod maps;
+pub mod model;
+pub mod reconciler;
+pub mod source;

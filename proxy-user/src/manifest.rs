@@ -1,0 +1,156 @@
+//! Kubernetes objects from YAML or JSON text: every document of a file,
+//! typed, with errors that name the file, the line and the field.
+
+use std::{fmt, path::Path};
+
+use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
+use serde::Deserialize;
+
+/// The objects ebpf-proxy reads. Other kinds are ignored (a manifests
+/// directory may well hold Deployments next to Services).
+#[derive(Debug, Clone)]
+pub enum Object {
+    Service(Box<Service>),
+    EndpointSlice(Box<EndpointSlice>),
+    Node(Box<Node>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManifestError {
+    pub path: String,
+    /// 1-based; 0 when the parser could not tell.
+    pub line: usize,
+    pub reason: String,
+}
+
+impl fmt::Display for ManifestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.line > 0 {
+            write!(f, "{}:{}: {}", self.path, self.line, self.reason)
+        } else {
+            write!(f, "{}: {}", self.path, self.reason)
+        }
+    }
+}
+
+impl std::error::Error for ManifestError {}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct TypeMeta {
+    api_version: Option<String>,
+    kind: Option<String>,
+}
+
+enum Kind {
+    Service,
+    EndpointSlice,
+    Node,
+    Other,
+}
+
+/// Parses all documents of one file. One bad document fails the whole file,
+/// so a half-read file never replaces the last good version of it.
+pub fn parse(path: &Path, text: &str) -> Result<Vec<Object>, ManifestError> {
+    let err = |line: usize, reason: String| ManifestError { path: path.display().to_string(), line, reason };
+    let line_of = |e: &serde_yaml::Error| e.location().map(|l| l.line()).unwrap_or(0);
+
+    // First pass: what kind each document is. Comment-only documents are null.
+    let mut kinds = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(text) {
+        let meta = Option::<TypeMeta>::deserialize(doc).map_err(|e| err(line_of(&e), e.to_string()))?;
+        let kind = match meta {
+            None => Kind::Other,
+            Some(TypeMeta { api_version, kind }) => match (api_version.as_deref(), kind.as_deref()) {
+                (Some("v1"), Some("Service")) => Kind::Service,
+                (Some("discovery.k8s.io/v1"), Some("EndpointSlice")) => Kind::EndpointSlice,
+                (Some("v1"), Some("Node")) => Kind::Node,
+                (_, None) => return Err(err(0, "a document has no `kind`".into())),
+                _ => Kind::Other,
+            },
+        };
+        kinds.push(kind);
+    }
+
+    // Second pass: the typed object, so errors carry the field path and line.
+    let mut objects = Vec::new();
+    for (doc, kind) in serde_yaml::Deserializer::from_str(text).zip(kinds) {
+        let typed = |e: serde_path_to_error::Error<serde_yaml::Error>| {
+            let field = e.path().to_string();
+            let inner = e.into_inner();
+            err(line_of(&inner), format!("{field}: {inner}"))
+        };
+        match kind {
+            Kind::Service => objects.push(Object::Service(Box::new(serde_path_to_error::deserialize(doc).map_err(typed)?))),
+            Kind::EndpointSlice => {
+                objects.push(Object::EndpointSlice(Box::new(serde_path_to_error::deserialize(doc).map_err(typed)?)))
+            }
+            Kind::Node => objects.push(Object::Node(Box::new(serde_path_to_error::deserialize(doc).map_err(typed)?))),
+            Kind::Other => {}
+        }
+    }
+    Ok(objects)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+# a comment-only document first
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: default}
+spec:
+  clusterIP: 10.96.0.10
+  ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: ignored}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-abc, namespace: default, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.0.11]}]
+ports: [{name: http, port: 8080, protocol: TCP}]
+"#;
+
+    #[test]
+    fn reads_every_document_and_skips_other_kinds() {
+        let objs = parse(Path::new("good.yaml"), GOOD).unwrap();
+        assert_eq!(objs.len(), 2);
+        assert!(matches!(&objs[0], Object::Service(s) if s.metadata.name.as_deref() == Some("web")));
+        assert!(matches!(&objs[1], Object::EndpointSlice(_)));
+    }
+
+    #[test]
+    fn json_is_read_too() {
+        let json = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"j"},"spec":{"ports":[{"port":53,"protocol":"UDP"}]}}"#;
+        assert_eq!(parse(Path::new("s.json"), json).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn syntax_error_names_file_and_line() {
+        let bad = "apiVersion: v1\nkind: Service\nmetadata:\n  name: [unclosed\n";
+        let e = parse(Path::new("/m/bad.yaml"), bad).unwrap_err();
+        assert_eq!(e.path, "/m/bad.yaml");
+        assert!(e.line >= 4, "{e}");
+    }
+
+    #[test]
+    fn type_error_names_the_field_and_line() {
+        let bad = "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\nspec:\n  ports:\n  - port: eighty\n";
+        let e = parse(Path::new("bad.yaml"), bad).unwrap_err();
+        assert!(e.reason.starts_with("spec.ports[0].port"), "{e}");
+        assert_eq!(e.line, 7, "{e}");
+    }
+
+    #[test]
+    fn document_without_kind_is_an_error() {
+        let e = parse(Path::new("k.yaml"), "apiVersion: v1\nmetadata: {name: x}\n").unwrap_err();
+        assert!(e.reason.contains("kind"), "{e}");
+    }
+}

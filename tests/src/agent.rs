@@ -1,0 +1,182 @@
+//! The agent binary started inside a node namespace, killed on drop.
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result};
+
+use crate::netns::Netns;
+
+/// The `ebpf-proxy` binary under test: `$EBPF_PROXY_BIN` (set by
+/// `cargo xtask test`), else the workspace's debug build.
+pub fn agent_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("EBPF_PROXY_BIN") {
+        return PathBuf::from(p);
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/ebpf-proxy")
+}
+
+pub struct Agent {
+    child: Option<Child>,
+    pub node: String,
+    pub bpffs_root: PathBuf,
+    pub healthz: SocketAddr,
+    pub log: PathBuf,
+}
+
+impl Agent {
+    /// `ebpf-proxy run --manifests DIR` in `node`, logging to a file.
+    pub fn start(node: &Netns, manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
+        let healthz: SocketAddr = ([127, 0, 0, 1], 10256).into();
+        // Next to the bpffs mount (a bpffs holds no regular files).
+        let mount = bpffs_root.parent().unwrap_or(bpffs_root);
+        let log = PathBuf::from(format!("{}.agent.log", mount.display()));
+        let log_file = std::fs::File::create(&log)?;
+        let child = node
+            .command(agent_bin().to_str().unwrap())
+            .arg("run")
+            .arg("--manifests")
+            .arg(manifests)
+            .arg("--bpffs-root")
+            .arg(bpffs_root)
+            .arg("--node-name")
+            .arg("node-a")
+            .arg("--healthz-bind-address")
+            .arg(healthz.to_string())
+            .args(extra)
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone()?)
+            .stderr(log_file)
+            .spawn()
+            .with_context(|| format!("start {}", agent_bin().display()))?;
+        Ok(Agent { child: Some(child), node: node.name.clone(), bpffs_root: bpffs_root.to_path_buf(), healthz, log })
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until /healthz answers 200 (first sync in the maps).
+    pub fn wait_healthy(&mut self, node: &Netns, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait()? {
+                anyhow::bail!("agent exited with {status}:\n{}", self.logs());
+            }
+            if healthz_status(node, self.healthz)? == Some(200) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!("agent not healthy after {timeout:?}:\n{}", self.logs());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// SIGTERM and wait: the dataplane stays.
+    pub fn stop(mut self) -> Result<std::process::ExitStatus> {
+        let mut child = self.child.take().unwrap();
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM)?;
+        Ok(child.wait()?)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        // Kept when a test fails, for the post-mortem.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_file(&self.log);
+        }
+    }
+}
+
+/// GET /healthz from inside the node namespace; None while nothing listens.
+pub fn healthz_status(node: &Netns, addr: SocketAddr) -> Result<Option<u16>> {
+    Ok(healthz_get(node, addr)?.map(|(status, _)| status))
+}
+
+/// Status and body of GET /healthz, None while nothing listens.
+pub fn healthz_get(node: &Netns, addr: SocketAddr) -> Result<Option<(u16, String)>> {
+    node.run(move || {
+        let agent = ureq::Agent::config_builder()
+            .timeout_global(Some(Duration::from_secs(2)))
+            .http_status_as_error(false)
+            .build()
+            .new_agent();
+        match agent.get(format!("http://{addr}/healthz")).call() {
+            Ok(mut resp) => {
+                let status = resp.status().as_u16();
+                let body = resp.body_mut().read_to_string().unwrap_or_default();
+                Some((status, body))
+            }
+            Err(_) => None,
+        }
+    })
+}
+
+/// Polls `check` every 50 ms until it returns true; fails after `timeout`
+/// with the last error or "condition not met".
+pub fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut last = None;
+    while Instant::now() < deadline {
+        match check() {
+            Ok(true) => return Ok(()),
+            Ok(false) => last = None,
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    match last {
+        Some(e) => Err(e.context(format!("timed out waiting for {what}"))),
+        None => anyhow::bail!("timed out after {timeout:?} waiting for {what}"),
+    }
+}
+
+/// Whether a TCX ingress program is attached to `ifname` in `node`.
+pub fn tc_attached(node: &Netns, ifname: &str) -> Result<bool> {
+    let name = std::ffi::CString::new(ifname)?;
+    node.run(move || {
+        aya::programs::SchedClassifier::query_tcx(name.as_c_str(), aya::programs::TcAttachType::Ingress)
+            .map(|(_, progs)| !progs.is_empty())
+            .map_err(anyhow::Error::from)
+    })?
+}
+
+/// `ebpf-proxy dump <what> -o json` against a bpffs root.
+pub fn dump_json(what: &str, bpffs_root: &Path) -> Result<serde_json::Value> {
+    let out = std::process::Command::new(agent_bin())
+        .args(["dump", what, "-o", "json", "--bpffs-root"])
+        .arg(bpffs_root)
+        .output()?;
+    anyhow::ensure!(out.status.success(), "dump {what}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// The backends `dump services` shows for a frontend such as "10.96.0.10:80/TCP".
+pub fn dumped_backends(bpffs_root: &Path, frontend: &str) -> Result<Vec<String>> {
+    let rows = dump_json("services", bpffs_root)?;
+    let row = rows
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|r| r["frontend"] == frontend)
+        .with_context(|| format!("no frontend {frontend} in dump"))?;
+    let mut addrs: Vec<String> = row["backends"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|b| b["address"].as_str().map(str::to_string))
+        .collect();
+    addrs.sort();
+    Ok(addrs)
+}

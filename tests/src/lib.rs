@@ -1,0 +1,41 @@
+//! Test hosts for ebpf-proxy: network namespaces joined by veths, echo
+//! servers and clients that run inside them, a bpffs of their own, and the
+//! agent started in a node namespace. Used by the integration tests in
+//! `tests/` and by `cargo xtask demo`.
+//!
+//! Every resource is named with a per-run suffix, so two runs never collide,
+//! and removed on drop, so a failing test leaves nothing behind.
+
+pub mod agent;
+pub mod bpffs;
+pub mod demo;
+pub mod echo;
+pub mod manifests;
+pub mod netns;
+pub mod topology;
+
+/// A short random suffix: interface names are limited to 15 bytes.
+pub fn unique_suffix() -> String {
+    format!("{:05x}", rand::random::<u32>() & 0xfffff)
+}
+
+/// Runs a command and fails with its stderr if it fails.
+pub fn run(program: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .output()
+        .map_err(|e| anyhow::anyhow!("{program}: {e}"))?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "`{program} {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Whether this process may create namespaces and load BPF programs.
+pub fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}

@@ -1,0 +1,41 @@
+//! Sample Kubernetes objects for the demo and the tests.
+
+use std::net::Ipv4Addr;
+
+pub const TCP_PORT: u16 = 80;
+pub const TCP_TARGET: u16 = 8080;
+pub const UDP_PORT: u16 = 53;
+pub const UDP_TARGET: u16 = 5353;
+
+/// A Service `namespace/name` with a TCP port (80 -> 8080) and a UDP port
+/// (53 -> 5353, a named targetPort), and one EndpointSlice listing `backends`.
+pub fn echo_service(namespace: &str, name: &str, cluster_ip: Ipv4Addr, backends: &[Ipv4Addr]) -> String {
+    let endpoints: String = backends
+        .iter()
+        .map(|ip| format!("- addresses: [{ip}]\n  conditions: {{ready: true}}\n  nodeName: node-a\n"))
+        .collect();
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: {namespace}}}
+spec:
+  type: ClusterIP
+  clusterIP: {cluster_ip}
+  ports:
+  - {{name: tcp, port: {TCP_PORT}, targetPort: {TCP_TARGET}, protocol: TCP}}
+  - {{name: udp, port: {UDP_PORT}, targetPort: dns, protocol: UDP}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: {name}-abcde
+  namespace: {namespace}
+  labels: {{kubernetes.io/service-name: {name}}}
+addressType: IPv4
+ports:
+- {{name: tcp, port: {TCP_TARGET}, protocol: TCP}}
+- {{name: udp, port: {UDP_TARGET}, protocol: UDP}}
+endpoints:
+{endpoints}"#
+    )
+}

@@ -1,0 +1,69 @@
+//! A node namespace with pods attached by veth pairs, wired the way a
+//! routed CNI (Calico-style) wires them: each pod has a /32 on `eth0` and a
+//! default route to a link-local gateway; the node routes each pod's /32 to
+//! its veth. Neighbours are static so nothing depends on ARP timing.
+
+use std::net::Ipv4Addr;
+
+use anyhow::{Context, Result};
+
+use crate::{netns::Netns, unique_suffix};
+
+const POD_GATEWAY: &str = "169.254.1.1";
+
+pub struct Node {
+    pub ns: Netns,
+    /// Prefix of every name this topology creates (namespaces, interfaces).
+    pub prefix: String,
+    next_if: u32,
+}
+
+pub struct Pod {
+    pub name: String,
+    pub ip: Ipv4Addr,
+    /// The node-side end of the pod's veth.
+    pub host_if: String,
+    pub ns: Netns,
+}
+
+impl Node {
+    /// `label` shows in namespace names; a random suffix keeps runs apart.
+    pub fn new(label: &str) -> Result<Node> {
+        let prefix = format!("ep{}", unique_suffix());
+        let ns = Netns::new(&format!("{prefix}-{label}-node"))?;
+        ns.sysctl("net.ipv4.ip_forward", "1")?;
+        ns.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
+        ns.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
+        Ok(Node { ns, prefix, next_if: 0 })
+    }
+
+    pub fn add_pod(&mut self, name: &str, ip: Ipv4Addr) -> Result<Pod> {
+        let pod_ns = Netns::new(&format!("{}-{name}", self.prefix))?;
+        let host_if = format!("{}h{}", self.prefix, self.next_if);
+        self.next_if += 1;
+        self.ns
+            .ip(&["link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &pod_ns.name])
+            .with_context(|| format!("veth for pod {name}"))?;
+        self.ns.ip(&["link", "set", &host_if, "up"])?;
+        pod_ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+        pod_ns.ip(&["link", "set", "eth0", "up"])?;
+
+        let host_mac = mac_of(&self.ns, &host_if)?;
+        let pod_mac = mac_of(&pod_ns, "eth0")?;
+        pod_ns.ip(&["route", "add", POD_GATEWAY, "dev", "eth0", "scope", "link"])?;
+        pod_ns.ip(&["route", "add", "default", "via", POD_GATEWAY, "dev", "eth0"])?;
+        pod_ns.ip(&["neigh", "replace", POD_GATEWAY, "lladdr", &host_mac, "dev", "eth0", "nud", "permanent"])?;
+        self.ns.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_if])?;
+        self.ns.ip(&["neigh", "replace", &ip.to_string(), "lladdr", &pod_mac, "dev", &host_if, "nud", "permanent"])?;
+        Ok(Pod { name: name.to_string(), ip, host_if, ns: pod_ns })
+    }
+}
+
+fn mac_of(ns: &Netns, ifname: &str) -> Result<String> {
+    let out = ns.ip(&["-o", "link", "show", "dev", ifname])?;
+    out.split_whitespace()
+        .skip_while(|w| *w != "link/ether")
+        .nth(1)
+        .map(str::to_string)
+        .with_context(|| format!("no MAC for {ifname} in {}", ns.name))
+}
