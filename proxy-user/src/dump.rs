@@ -168,7 +168,9 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
             idle_seconds: (secs(v.last_seen_ns) * 10.0).round() / 10.0,
         });
     }
-    rows.sort_by(|a, b| (&a.service, &a.source, a.direction).cmp(&(&b.service, &b.source, b.direction)));
+    // Both directions of a flow next to each other: by service, then client.
+    let client = |r: &ConntrackRow| if r.direction == "reply" { r.destination.clone() } else { r.source.clone() };
+    rows.sort_by_key(|r| (r.service.clone(), client(r), r.direction));
     Ok(rows)
 }
 

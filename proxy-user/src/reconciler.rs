@@ -64,15 +64,14 @@ impl Reconciler {
         let service_ids = self.service_ids(desired);
         let backend_ids = self.backend_ids(desired);
 
-        // 1. Backends, and names of new services.
+        // 1. Backends, and names of new services. A backend in several sets
+        // carries the union of its states.
+        let mut flags: HashMap<BackendTuple, u8> = HashMap::new();
+        for b in desired.backend_sets.values().flatten() {
+            *flags.entry((b.addr, b.port, b.proto)).or_default() |= b.flags;
+        }
         for (&(addr, port, proto), &id) in &backend_ids {
-            let flags = desired
-                .backend_sets
-                .values()
-                .flatten()
-                .filter(|b| (b.addr, b.port, b.proto) == (addr, port, proto))
-                .fold(0, |f, b| f | b.flags);
-            let want = Backend { addr: Addr::from(addr), port: port.to_be(), proto, flags };
+            let want = Backend { addr: Addr::from(addr), port: port.to_be(), proto, flags: flags[&(addr, port, proto)] };
             if self.held.backends.get(&id) != Some(&want) {
                 maps.put_backend(id, &want).with_context(|| format!("backend {addr}:{port}"))?;
                 self.held.backends.insert(id, want);
