@@ -1,0 +1,70 @@
+//! The agent's lifecycle as the interface promises it: SIGTERM leaves the
+//! dataplane serving, a restarted agent adopts the pinned maps with the same
+//! IDs and conntrack, and `ebpf-proxy cleanup` removes every program link and
+//! pin of ours, after which the ClusterIP is no longer translated.
+
+use std::{net::{Ipv4Addr, SocketAddr}, time::Duration};
+
+use anyhow::{Context, Result};
+use proxy_tests::{
+    agent::{Agent, agent_bin, dump_json, tc_attached},
+    bpffs::Bpffs,
+    echo::{EchoServer, tcp_request, udp_request},
+    is_root,
+    manifests::{TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET, echo_service},
+    topology::Node,
+};
+
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+#[test]
+fn sigterm_keeps_serving_restart_adopts_and_cleanup_removes_everything() -> Result<()> {
+    assert!(is_root(), "needs root (network namespaces and BPF)");
+    let mut node = Node::new("life")?;
+    let client = node.add_pod("client", Ipv4Addr::new(10, 244, 0, 2))?;
+    let backend = node.add_pod("backend-1", Ipv4Addr::new(10, 244, 0, 11))?;
+    let _tcp = EchoServer::start(&backend.ns, &backend.name, TCP_TARGET)?;
+    let _udp = EchoServer::start(&backend.ns, &backend.name, UDP_TARGET)?;
+    let tcp_vip = SocketAddr::from((CLUSTER_IP, TCP_PORT));
+    let udp_vip = SocketAddr::from((CLUSTER_IP, UDP_PORT));
+
+    let bpffs = Bpffs::new("life")?;
+    let root = bpffs.path().join("agent");
+    let manifests = tempfile::tempdir()?;
+    std::fs::write(manifests.path().join("echo.yaml"), echo_service("demo", "echo", CLUSTER_IP, &[backend.ip]))?;
+
+    let mut agent = Agent::start(&node.ns, manifests.path(), &root, &[])?;
+    agent.wait_healthy(&node.ns, TIMEOUT)?;
+    tcp_request(&client.ns, tcp_vip).with_context(|| agent.logs())?;
+    let backends_before = dump_json("backends", &root)?;
+    let conntrack_before = dump_json("conntrack", &root)?.as_array().map_or(0, Vec::len);
+    assert!(conntrack_before >= 2, "a flow has two conntrack entries");
+
+    // SIGTERM: a clean exit, and the dataplane keeps translating without an agent.
+    let status = agent.stop()?;
+    assert!(status.success(), "agent exit status {status}");
+    let r = tcp_request(&client.ns, tcp_vip).context("TCP with the agent stopped")?;
+    assert_eq!((r.backend.as_str(), r.from), ("backend-1", tcp_vip));
+    udp_request(&client.ns, udp_vip).context("UDP with the agent stopped")?;
+
+    // A new agent adopts: same IDs, conntrack kept, still serving.
+    let mut agent = Agent::start(&node.ns, manifests.path(), &root, &[])?;
+    agent.wait_healthy(&node.ns, TIMEOUT)?;
+    assert_eq!(dump_json("backends", &root)?, backends_before, "backend IDs survive a restart");
+    let conntrack_after = dump_json("conntrack", &root)?.as_array().map_or(0, Vec::len);
+    assert!(conntrack_after >= conntrack_before, "conntrack is not flushed by a restart");
+    assert!(agent.logs().contains("adopted=true"), "links adopted:\n{}", agent.logs());
+    tcp_request(&client.ns, tcp_vip).with_context(|| agent.logs())?;
+    let _ = agent.stop()?;
+
+    // cleanup: nothing of ours is left, and the ClusterIP is dead again.
+    let out = std::process::Command::new(agent_bin()).args(["cleanup", "--bpffs-root"]).arg(&root).output()?;
+    assert!(out.status.success(), "cleanup: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(!root.exists(), "{} still exists", root.display());
+    for ifname in [&client.host_if, &backend.host_if] {
+        assert!(!tc_attached(&node.ns, ifname)?, "a TC program is still attached to {ifname}");
+    }
+    assert!(tcp_request(&client.ns, tcp_vip).is_err(), "the ClusterIP still answers after cleanup");
+    Ok(())
+}
