@@ -9,7 +9,6 @@ use std::{
 };
 
 use k8s_openapi::api::{
-    core::v1::ServicePort,
     discovery::v1::{Endpoint, EndpointSlice},
 };
 use proxy_common::{
@@ -138,7 +137,7 @@ pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<Ob
         let slices = slices_by_service.get(&(ns.clone(), name.clone())).map(Vec::as_slice).unwrap_or(&[]);
 
         for (i, port) in spec.ports.iter().flatten().enumerate() {
-            let Some(proto) = protocol(port) else {
+            let Some(proto) = protocol_of(port.protocol.as_deref()) else {
                 skip(&mut errors, format!("spec.ports[{i}]: unknown protocol {:?}; port skipped", port.protocol));
                 continue;
             };
@@ -161,15 +160,6 @@ pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<Ob
         }
     }
     (state, errors)
-}
-
-fn protocol(port: &ServicePort) -> Option<u8> {
-    match port.protocol.as_deref().unwrap_or("TCP") {
-        "TCP" => Some(IPPROTO_TCP),
-        "UDP" => Some(IPPROTO_UDP),
-        "SCTP" => Some(IPPROTO_SCTP),
-        _ => None,
-    }
 }
 
 /// The endpoints that serve cluster traffic, as kube-proxy picks them: the
@@ -227,6 +217,7 @@ fn select_endpoints(
         .collect()
 }
 
+/// A Kubernetes protocol name (unset means TCP) as an IP protocol number.
 fn protocol_of(p: Option<&str>) -> Option<u8> {
     match p.unwrap_or("TCP") {
         "TCP" => Some(IPPROTO_TCP),

@@ -70,6 +70,14 @@ fn cluster_ip_reaches_every_backend_and_follows_manifest_changes() -> Result<()>
         servers.push(EchoServer::start(&pod.ns, &pod.name, UDP_TARGET)?);
     }
 
+    // veths offload TX checksums: the client's packets reach the node with a
+    // partial checksum, the case where hand-made checksum updates go wrong.
+    let offload = client.ns.command("ethtool").args(["-k", "eth0"]).output()?;
+    assert!(
+        String::from_utf8_lossy(&offload.stdout).contains("tx-checksumming: on"),
+        "expected TX checksum offload on the client's veth"
+    );
+
     let bpffs = Bpffs::new("cip")?;
     let manifests = tempfile::tempdir()?;
     let svc_file = manifests.path().join("echo.yaml");
