@@ -32,6 +32,8 @@ pub enum Command {
         #[arg(long, default_value = DEFAULT_BPFFS_ROOT)]
         bpffs_root: PathBuf,
     },
+    /// Print a shell completion script, e.g. `ebpf-proxy completion bash > /etc/bash_completion.d/ebpf-proxy`.
+    Completion { shell: clap_complete::Shell },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -21,6 +21,11 @@ fn main() {
             .and_then(|rt| rt.block_on(agent::run(args))),
         Command::Dump { what, output, bpffs_root } => dump::print(what, output, &bpffs_root),
         Command::Cleanup { bpffs_root } => cleanup::cleanup(&bpffs_root),
+        Command::Completion { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut cmd, "ebpf-proxy", &mut std::io::stdout());
+            Ok(())
+        }
     };
     if let Err(e) = result {
         // One line: what failed and why.

@@ -34,17 +34,17 @@ pub struct Maps {
     pub counters: PerCpuArray<MapData, u64>,
 }
 
-/// Fails with what to do when `root` is not on a bpffs.
+/// Fails with what to do when `root` is not on a bpffs; creates it only when
+/// it is, so a wrong path leaves nothing behind.
 pub fn ensure_bpffs(root: &Path) -> Result<()> {
-    std::fs::create_dir_all(root).with_context(|| format!("--bpffs-root {}: cannot create", root.display()))?;
-    let st = nix::sys::statfs::statfs(root).with_context(|| format!("--bpffs-root {}", root.display()))?;
+    let existing = root.ancestors().find(|p| p.exists()).unwrap_or(Path::new("/"));
+    let st = nix::sys::statfs::statfs(existing).with_context(|| format!("--bpffs-root {}", root.display()))?;
     anyhow::ensure!(
         st.filesystem_type().0 as i64 == BPF_FS_MAGIC,
-        "--bpffs-root {}: not on a bpf filesystem (mount one: mount -t bpf bpf {})",
-        root.display(),
+        "--bpffs-root {}: not on a bpf filesystem (mount one, e.g. `mount -t bpf bpf /sys/fs/bpf`, or point --bpffs-root into one)",
         root.display()
     );
-    Ok(())
+    std::fs::create_dir_all(root).with_context(|| format!("--bpffs-root {}: cannot create", root.display()))
 }
 
 /// Loads the programs; maps already pinned under `root` are reused, so a
