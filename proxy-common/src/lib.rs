@@ -4,6 +4,7 @@
 #![no_std]
 
 pub mod addr;
+pub mod crc32c;
 pub mod maps;
 
 pub use addr::Addr;
