@@ -169,8 +169,11 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
         });
     }
     // Both directions of a flow next to each other: by service, then client.
-    let client = |r: &ConntrackRow| if r.direction == "reply" { r.destination.clone() } else { r.source.clone() };
-    rows.sort_by_key(|r| (r.service.clone(), client(r), r.direction));
+    let key = |r: &ConntrackRow| {
+        let client = if r.direction == "reply" { &r.destination } else { &r.source };
+        (r.service.clone(), client.clone(), r.direction)
+    };
+    rows.sort_by_cached_key(key);
     Ok(rows)
 }
 

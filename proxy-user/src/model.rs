@@ -3,7 +3,7 @@
 //! executes what is decided here, so this is where behaviour is tested.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeMap,
     fmt,
     net::IpAddr,
 };
@@ -251,9 +251,14 @@ fn endpoint_flags(ep: &Endpoint, config: &ModelConfig) -> u8 {
     flags
 }
 
-/// Every distinct backend in the state, for ID allocation.
-pub fn all_backends(state: &DesiredState) -> BTreeSet<(IpAddr, u16, u8)> {
-    state.backend_sets.values().flatten().map(|b| (b.addr, b.port, b.proto)).collect()
+/// Every distinct backend (address, port, protocol) in the state, in order,
+/// with the union of its states across the sets it is in.
+pub fn backend_states(state: &DesiredState) -> BTreeMap<(IpAddr, u16, u8), u8> {
+    let mut states = BTreeMap::new();
+    for b in state.backend_sets.values().flatten() {
+        *states.entry((b.addr, b.port, b.proto)).or_default() |= b.flags;
+    }
+    states
 }
 
 #[cfg(test)]

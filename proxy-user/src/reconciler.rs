@@ -62,16 +62,12 @@ impl Reconciler {
     pub fn sync(&mut self, desired: &DesiredState, maps: &mut impl MapWriter) -> Result<SyncStats> {
         let mut stats = SyncStats::default();
         let service_ids = self.service_ids(desired);
-        let backend_ids = self.backend_ids(desired);
+        let backend_states = crate::model::backend_states(desired);
+        let backend_ids = self.backend_ids(&backend_states);
 
-        // 1. Backends, and names of new services. A backend in several sets
-        // carries the union of its states.
-        let mut flags: HashMap<BackendTuple, u8> = HashMap::new();
-        for b in desired.backend_sets.values().flatten() {
-            *flags.entry((b.addr, b.port, b.proto)).or_default() |= b.flags;
-        }
+        // 1. Backends, and names of new services.
         for (&(addr, port, proto), &id) in &backend_ids {
-            let want = Backend { addr: Addr::from(addr), port: port.to_be(), proto, flags: flags[&(addr, port, proto)] };
+            let want = Backend { addr: Addr::from(addr), port: port.to_be(), proto, flags: backend_states[&(addr, port, proto)] };
             if self.held.backends.get(&id) != Some(&want) {
                 maps.put_backend(id, &want).with_context(|| format!("backend {addr}:{port}"))?;
                 self.held.backends.insert(id, want);
@@ -171,13 +167,13 @@ impl Reconciler {
     }
 
     /// Existing IDs by address, port and protocol; new ones take the lowest free ID.
-    fn backend_ids(&self, desired: &DesiredState) -> BTreeMap<BackendTuple, u32> {
+    fn backend_ids(&self, backends: &BTreeMap<BackendTuple, u8>) -> BTreeMap<BackendTuple, u32> {
         let by_tuple: HashMap<BackendTuple, u32> =
             self.held.backends.iter().map(|(id, b)| ((b.addr.to_ip(), u16::from_be(b.port), b.proto), *id)).collect();
         let mut free = FreeIds::new(self.held.backends.keys().copied());
-        crate::model::all_backends(desired)
-            .into_iter()
-            .map(|t| (t, by_tuple.get(&t).copied().unwrap_or_else(|| free.take())))
+        backends
+            .keys()
+            .map(|&t| (t, by_tuple.get(&t).copied().unwrap_or_else(|| free.take())))
             .collect()
     }
 }
