@@ -45,6 +45,12 @@ impl Node {
             .ip(&["link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &pod_ns.name])
             .with_context(|| format!("veth for pod {name}"))?;
         self.ns.ip(&["link", "set", &host_if, "up"])?;
+        // Pods send with TX checksum offload (a partial checksum); the node
+        // side finishes the checksum in software, as a NIC would on the wire,
+        // so the receiving pod verifies it and drops a wrong one instead of
+        // trusting a partial checksum the datapath got wrong.
+        let out = self.ns.command("ethtool").args(["-K", &host_if, "tx", "off"]).output()?;
+        anyhow::ensure!(out.status.success(), "ethtool -K {host_if} tx off: {}", String::from_utf8_lossy(&out.stderr));
         pod_ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
         pod_ns.ip(&["link", "set", "eth0", "up"])?;
 

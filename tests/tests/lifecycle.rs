@@ -24,8 +24,14 @@ fn sigterm_keeps_serving_restart_adopts_and_cleanup_removes_everything() -> Resu
     let mut node = Node::new("life")?;
     let client = node.add_pod("client", Ipv4Addr::new(10, 244, 0, 2))?;
     let backend = node.add_pod("backend-1", Ipv4Addr::new(10, 244, 0, 11))?;
-    let _tcp = EchoServer::start(&backend.ns, &backend.name, TCP_TARGET)?;
-    let _udp = EchoServer::start(&backend.ns, &backend.name, UDP_TARGET)?;
+    // Joins while the agent is down. Its address sorts first, so an agent that
+    // handed out IDs afresh would give it backend-1's IDs.
+    let newcomer = node.add_pod("backend-0", Ipv4Addr::new(10, 244, 0, 10))?;
+    let mut servers = Vec::new();
+    for pod in [&backend, &newcomer] {
+        servers.push(EchoServer::start(&pod.ns, &pod.name, TCP_TARGET)?);
+        servers.push(EchoServer::start(&pod.ns, &pod.name, UDP_TARGET)?);
+    }
     let tcp_vip = SocketAddr::from((CLUSTER_IP, TCP_PORT));
     let udp_vip = SocketAddr::from((CLUSTER_IP, UDP_PORT));
 
@@ -33,11 +39,11 @@ fn sigterm_keeps_serving_restart_adopts_and_cleanup_removes_everything() -> Resu
     let root = bpffs.path().join("agent");
     let manifests = tempfile::tempdir()?;
     std::fs::write(manifests.path().join("echo.yaml"), echo_service("demo", "echo", CLUSTER_IP, &[backend.ip]))?;
-
     let mut agent = Agent::start(&node.ns, manifests.path(), &root, &[])?;
     agent.wait_healthy(&node.ns, TIMEOUT)?;
     tcp_request(&client.ns, tcp_vip).with_context(|| agent.logs())?;
     let backends_before = dump_json("backends", &root)?;
+    assert_eq!(backends_before.as_array().map_or(0, Vec::len), 2, "{backends_before}");
     let conntrack_before = dump_json("conntrack", &root)?.as_array().map_or(0, Vec::len);
     assert!(conntrack_before >= 2, "a flow has two conntrack entries");
 
@@ -48,10 +54,20 @@ fn sigterm_keeps_serving_restart_adopts_and_cleanup_removes_everything() -> Resu
     assert_eq!((r.backend.as_str(), r.from), ("backend-1", tcp_vip));
     udp_request(&client.ns, udp_vip).context("UDP with the agent stopped")?;
 
-    // A new agent adopts: same IDs, conntrack kept, still serving.
+    // A new agent adopts: same IDs, conntrack kept, still serving, and the
+    // backend that joined meanwhile gets a fresh ID.
+    std::fs::write(manifests.path().join("echo.yaml"), echo_service("demo", "echo", CLUSTER_IP, &[newcomer.ip, backend.ip]))?;
     let mut agent = Agent::start(&node.ns, manifests.path(), &root, &[])?;
     agent.wait_healthy(&node.ns, TIMEOUT)?;
-    assert_eq!(dump_json("backends", &root)?, backends_before, "backend IDs survive a restart");
+    let backends_after = dump_json("backends", &root)?;
+    let id_of = |rows: &serde_json::Value, addr: String| {
+        rows.as_array().into_iter().flatten().find(|r| r["address"] == addr.as_str()).map(|r| r["id"].clone())
+    };
+    for port in [TCP_TARGET, UDP_TARGET] {
+        let addr = format!("{}:{port}", backend.ip);
+        assert_eq!(id_of(&backends_after, addr.clone()), id_of(&backends_before, addr.clone()), "ID of {addr} after a restart");
+    }
+    assert_eq!(backends_after.as_array().map_or(0, Vec::len), 4, "{backends_after}");
     let conntrack_after = dump_json("conntrack", &root)?.as_array().map_or(0, Vec::len);
     assert!(conntrack_after >= conntrack_before, "conntrack is not flushed by a restart");
     assert!(agent.logs().contains("adopted=true"), "links adopted:\n{}", agent.logs());
@@ -62,7 +78,7 @@ fn sigterm_keeps_serving_restart_adopts_and_cleanup_removes_everything() -> Resu
     let out = std::process::Command::new(agent_bin()).args(["cleanup", "--bpffs-root"]).arg(&root).output()?;
     assert!(out.status.success(), "cleanup: {}", String::from_utf8_lossy(&out.stderr));
     assert!(!root.exists(), "{} still exists", root.display());
-    for ifname in [&client.host_if, &backend.host_if] {
+    for ifname in [&client.host_if, &backend.host_if, &newcomer.host_if] {
         assert!(!tc_attached(&node.ns, ifname)?, "a TC program is still attached to {ifname}");
     }
     assert!(tcp_request(&client.ns, tcp_vip).is_err(), "the ClusterIP still answers after cleanup");
