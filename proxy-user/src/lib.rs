@@ -9,5 +9,6 @@ pub mod health;
 pub mod manifest;
 pub mod maps;
 pub mod model;
+pub mod rbac;
 pub mod reconciler;
 pub mod source;
