@@ -86,12 +86,23 @@ pub const X8N_POW2: [u32; 32] = {
 
 /// Raw CRC register `crc0` advanced over `n` zero bytes: multiplies by
 /// x^(8n) = product of `X8N_POW2[k]` over the set bits k of `n`.
+/// Branch-free (every factor is multiplied, then kept or dropped by a mask),
+/// so the BPF verifier walks one path instead of one per bit pattern.
+#[inline(always)]
 pub fn shift_zeros(crc0: u32, n: u32) -> u32 {
+    shift_zeros_bits::<32>(crc0, n)
+}
+
+/// `shift_zeros` looking only at the low `BITS` bits of `n`: an IP packet is
+/// under 2^16 bytes, so the datapath pays for 16 multiplications, not 32.
+#[inline(always)]
+fn shift_zeros_bits<const BITS: usize>(crc0: u32, n: u32) -> u32 {
     let mut c = crc0;
-    for (k, f) in X8N_POW2.iter().enumerate() {
-        if (n >> k) & 1 != 0 {
-            c = gf2_mulmod(c, *f);
-        }
+    let mut k = 0;
+    while k < BITS {
+        let keep = ((n >> k) & 1).wrapping_neg();
+        c = (gf2_mulmod(c, X8N_POW2[k]) & keep) | (c & !keep);
+        k += 1;
     }
     c
 }
@@ -114,6 +125,14 @@ pub fn update_for_change(stored: u32, old: [u8; 4], new: [u8; 4], dist_from_end:
 /// the same `dist_from_end`, even if the padding lies before the packet start.
 pub fn update_for_change16(stored: u32, old: [u8; 2], new: [u8; 2], dist_from_end: u32) -> u32 {
     update_for_change(stored, [0, 0, old[0], old[1]], [0, 0, new[0], new[1]], dist_from_end)
+}
+
+/// `update_for_change16` for a distance that fits an IP packet (< 2^16
+/// bytes), at half the cost: what the datapath calls for a port rewrite.
+#[inline(always)]
+pub fn update_port(stored: u32, old: [u8; 2], new: [u8; 2], dist_from_end: u16) -> u32 {
+    let d = u32::from_le_bytes([0, 0, old[0], old[1]]) ^ u32::from_le_bytes([0, 0, new[0], new[1]]);
+    stored ^ shift_zeros_bits::<16>(gf2_mulmod(d, X8N_POW2[2]), dist_from_end as u32)
 }
 
 /// Checksum of a whole SCTP packet (header + chunks) with its checksum field
@@ -214,7 +233,9 @@ mod tests {
         }
 
         #[test]
-        fn change_ports((mut p, _) in packet(), new in any::<[u8; 4]>(), sport in any::<[u8; 2]>()) {
+        fn change_ports(
+            (mut p, _) in packet(), new in any::<[u8; 4]>(), sport in any::<[u8; 2]>(), dport in any::<[u8; 2]>()
+        ) {
             rewrite(&mut p, 0, new);
             prop_assert_eq!(sctp_checksum(&p), crate_sctp(&p));
             // Source port alone, via the 2-byte helper (window starts before the packet).
@@ -223,6 +244,12 @@ mod tests {
             p[..2].copy_from_slice(&sport);
             let upd = update_for_change16(stored, old, sport, (p.len() - 2) as u32);
             prop_assert_eq!(upd, crate_sctp(&p));
+            // Destination port via the datapath's 16-bit-distance variant.
+            let stored = upd;
+            let old = [p[2], p[3]];
+            p[2..4].copy_from_slice(&dport);
+            let upd = update_port(stored, old, dport, (p.len() - 4) as u16);
+            prop_assert_eq!(upd, crate_sctp(&p));
         }
 
         #[test]
@@ -230,7 +257,33 @@ mod tests {
             let bad = u32::from_le_bytes(p[8..12].try_into().unwrap()) ^ err;
             p[8..12].copy_from_slice(&bad.to_le_bytes());
             rewrite(&mut p, off, new);
-            prop_assert_ne!(u32::from_le_bytes(p[8..12].try_into().unwrap()), crate_sctp(&p));
+            // Exactly as wrong as before: the same error pattern, not a new one.
+            prop_assert_eq!(u32::from_le_bytes(p[8..12].try_into().unwrap()), crate_sctp(&p) ^ err);
+        }
+    }
+
+    proptest! {
+        // Packets up to the IP maximum, for the 16-bit distance of the
+        // datapath variant; fewer cases as each one is up to 64 KiB.
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        #[test]
+        fn port_update_up_to_max_ip_packet(
+            len in 12usize..=65_515, seed in any::<u64>(), sport in any::<[u8; 2]>(), dport in any::<[u8; 2]>()
+        ) {
+            use rand::{RngCore, SeedableRng};
+            let mut p = std::vec![0u8; len];
+            rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut p);
+            let c = crate_sctp(&p);
+            p[8..12].copy_from_slice(&c.to_le_bytes());
+            for (at, port) in [(0, sport), (2, dport)] {
+                let stored = u32::from_le_bytes(p[8..12].try_into().unwrap());
+                let old = [p[at], p[at + 1]];
+                p[at..at + 2].copy_from_slice(&port);
+                let upd = update_port(stored, old, port, (len - at - 2) as u16);
+                p[8..12].copy_from_slice(&upd.to_le_bytes());
+            }
+            prop_assert_eq!(u32::from_le_bytes(p[8..12].try_into().unwrap()), crate_sctp(&p));
         }
     }
 

@@ -14,6 +14,8 @@ mod maps;
 mod nat;
 #[cfg(target_arch = "bpf")]
 mod parse;
+#[cfg(target_arch = "bpf")]
+mod sctp;
 
 #[cfg(target_arch = "bpf")]
 mod program {

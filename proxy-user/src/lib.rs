@@ -11,4 +11,5 @@ pub mod maps;
 pub mod model;
 pub mod rbac;
 pub mod reconciler;
+pub mod skb_layout;
 pub mod source;

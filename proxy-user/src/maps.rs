@@ -11,7 +11,10 @@ use aya::{
 };
 use proxy_common::*;
 
-use crate::reconciler::{Contents, MapWriter};
+use crate::{
+    reconciler::{Contents, MapWriter},
+    skb_layout,
+};
 
 /// The compiled datapath, built by aya-build from proxy-ebpf.
 pub static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
@@ -51,10 +54,20 @@ pub fn ensure_bpffs(root: &Path) -> Result<()> {
 /// restart keeps services, backends and conntrack.
 pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
     ensure_bpffs(root)?;
-    let mut ebpf = EbpfLoader::new()
-        .default_map_pin_directory(root)
+    // Without the layout the SCTP CRC is always updated in software: right
+    // for every packet except a locally sent one with CRC offload.
+    let layout = skb_layout::ip_summed(Path::new(skb_layout::VMLINUX_BTF))
+        .inspect_err(|e| tracing::warn!("SCTP checksum offload cannot be detected, CRCs will always be patched: {e:#}"))
+        .ok();
+    let mut loader = EbpfLoader::new();
+    loader.default_map_pin_directory(root);
+    if let Some(l) = &layout {
+        loader.override_global(skb_layout::GLOBAL_OFF, &l.byte, true);
+        loader.override_global(skb_layout::GLOBAL_SHIFT, &l.shift, true);
+    }
+    let mut ebpf = loader
         .load(BPF_OBJECT)
-        .map_err(|e| anyhow::anyhow!("loading the BPF programs failed (is this process allowed to use BPF? CAP_BPF and CAP_NET_ADMIN are needed): {e}"))?;
+        .context("loading the BPF programs failed (is this process allowed to use BPF? CAP_BPF and CAP_NET_ADMIN are needed)")?;
     let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the BPF object"));
     let maps = Maps {
         frontends: take(MAP_FRONTENDS)?.try_into()?,
