@@ -10,8 +10,10 @@ pub mod agent;
 pub mod bpffs;
 pub mod demo;
 pub mod echo;
+pub mod fixture;
 pub mod manifests;
 pub mod netns;
+pub mod sctp;
 pub mod topology;
 
 /// A short random suffix: interface names are limited to 15 bytes.
