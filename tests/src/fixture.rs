@@ -64,6 +64,12 @@ impl Fixture {
         Ok((res.return_value, res.duration))
     }
 
+    /// Instructions the verifier processed to accept the program: its
+    /// headroom under the kernel's 1,000,000 limit.
+    pub fn verified_insns(&self) -> Option<u32> {
+        self.program().info().ok()?.verified_instruction_count()
+    }
+
     pub fn counters(&self) -> Vec<u64> {
         self.maps.read_counters().expect("reading counters")
     }

@@ -14,6 +14,7 @@ pub mod fixture;
 pub mod manifests;
 pub mod netns;
 pub mod sctp;
+pub mod sctp_bench;
 pub mod topology;
 
 /// A short random suffix: interface names are limited to 15 bytes.
