@@ -33,6 +33,12 @@ pub const MAX_AFFINITY: u32 = 65_536;
 /// Not kube-proxy's 0x4000, so leftover kube-proxy rules during a migration
 /// cannot masquerade a packet twice.
 pub const MASQUERADE_MARK: u32 = 0x0020_0000;
+/// Set at ingress on a reply whose source must become the service frontend
+/// again; the egress program rewrites it. Done after routing, as netfilter
+/// does (POSTROUTING), because the frontend may be a node address (NodePort,
+/// an ExternalIP on the node) and a packet arriving with a local source
+/// address is dropped by the kernel as martian.
+pub const REVERSE_NAT_MARK: u32 = 0x0040_0000;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
@@ -274,7 +280,8 @@ pub enum Counter {
     DropNoLocal = 13,
     /// New flow masqueraded (SNAT to a node address at egress).
     Masqueraded = 14,
-    /// No SNAT address or port could be found: sent without masquerade.
+    /// Egress could not rewrite a marked packet's source (no SNAT address or
+    /// port free, or the flow's conntrack entry vanished): sent as it was.
     SnatFailed = 15,
     /// New flow sent to the backend its client sticks to (sessionAffinity).
     AffinityHit = 16,

@@ -29,8 +29,8 @@ mod program {
         programs::TcContext,
     };
     use proxy_common::{
-        CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, MASQUERADE_MARK, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
-        SVC_SOURCE_RANGES,
+        CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, MASQUERADE_MARK, REVERSE_NAT_MARK, SVC_DROP_IF_EMPTY,
+        SVC_MASQUERADE, SVC_SOURCE_RANGES,
     };
 
     use crate::{
@@ -64,13 +64,14 @@ mod program {
                         // Addressed to the SNAT address and port: back to the client.
                         done = nat::rewrite_dst(&ctx, &pkt, &ct.rev_addr, ct.rev_port);
                     }
-                    let done = done.and_then(|()| nat::rewrite_src(&ctx, &pkt, &ct.nat_addr, ct.nat_port));
+                    // The source becomes the frontend at egress, after routing.
+                    set_mark(&ctx, REVERSE_NAT_MARK);
                     return verdict(done, Counter::Reply);
                 }
                 CT_ORIGINAL if lb::backend_still_matches(&ct) => {
                     conntrack::touch(&pkt.tuple);
                     if ct.flags & CT_MASQUERADE != 0 {
-                        mark_for_masquerade(&ctx);
+                        set_mark(&ctx, MASQUERADE_MARK);
                     }
                     return verdict(nat::rewrite_dst(&ctx, &pkt, &ct.nat_addr, ct.nat_port), Counter::Established);
                 }
@@ -116,39 +117,42 @@ mod program {
         }
         if masquerade {
             count(Counter::Masqueraded);
-            mark_for_masquerade(&ctx);
+            set_mark(&ctx, MASQUERADE_MARK);
         }
         verdict(nat::rewrite_dst(&ctx, &pkt, &backend.addr, backend.port), Counter::NewFlow)
     }
 
-    /// SNAT for the flows ingress marked, now that routing chose the interface.
+    /// The source rewrites ingress marked, now that routing chose the
+    /// interface: SNAT of masqueraded flows, and replies' frontend address.
     #[classifier]
     pub fn tc_egress(ctx: TcContext) -> i32 {
         let mark = crate::skb::mark(&ctx);
-        if mark & MASQUERADE_MARK == 0 {
+        if mark & (MASQUERADE_MARK | REVERSE_NAT_MARK) == 0 {
             return NOT_OURS;
         }
-        ctx.set_mark(mark & !MASQUERADE_MARK);
+        ctx.set_mark(mark & !(MASQUERADE_MARK | REVERSE_NAT_MARK));
         let Ok(pkt) = parse::parse(&ctx) else { return NOT_OURS };
-        match masquerade::source_for(&ctx, &pkt) {
-            Some((addr, port)) => match nat::rewrite_src(&ctx, &pkt, &addr, port) {
-                Ok(()) => TC_ACT_OK as i32,
-                Err(_) => {
-                    count(Counter::RewriteFailed);
-                    DROP
-                }
-            },
-            None => {
-                count(Counter::SnatFailed);
-                NOT_OURS
+        let source = if mark & MASQUERADE_MARK != 0 {
+            masquerade::source_for(&ctx, &pkt)
+        } else {
+            conntrack::lookup(&pkt.tuple).filter(|e| e.direction == CT_REPLY).map(|e| (e.nat_addr, e.nat_port))
+        };
+        let Some((addr, port)) = source else {
+            count(Counter::SnatFailed);
+            return NOT_OURS;
+        };
+        match nat::rewrite_src(&ctx, &pkt, &addr, port) {
+            Ok(()) => TC_ACT_OK as i32,
+            Err(_) => {
+                count(Counter::RewriteFailed);
+                DROP
             }
         }
     }
 
     #[inline(always)]
-    fn mark_for_masquerade(ctx: &TcContext) {
-        let mark = crate::skb::mark(ctx);
-        ctx.set_mark(mark | MASQUERADE_MARK);
+    fn set_mark(ctx: &TcContext, bits: u32) {
+        ctx.set_mark(crate::skb::mark(ctx) | bits);
     }
 
     #[inline(always)]
