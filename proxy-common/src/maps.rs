@@ -246,6 +246,22 @@ impl ServiceName {
     }
 }
 
+/// What `tc_trace` reports (into its own, unpinned `TRACE_REPORT` map).
+#[repr(C)]
+#[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
+pub struct TraceReport {
+    /// Every counter the packet would have moved: bit n = counter n.
+    pub counters: u32,
+    /// The service and backend it reached (0: none).
+    pub service_id: u32,
+    pub backend_id: u32,
+    /// The source scope (SCOPE_*), or TRACE_FROM_CONNTRACK for a tracked flow.
+    pub how: u32,
+}
+
+pub const TRACE_FROM_CONNTRACK: u32 = 0x100;
+pub const MAP_TRACE_REPORT: &str = "TRACE_REPORT";
+
 /// Indexes into the per-CPU `COUNTERS` array.
 #[repr(u32)]
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -309,6 +325,7 @@ mod pod {
     unsafe impl aya::Pod for CtEntry {}
     unsafe impl aya::Pod for ServiceName {}
     unsafe impl aya::Pod for Addr {}
+    unsafe impl aya::Pod for TraceReport {}
     unsafe impl aya::Pod for SnatEntry {}
     unsafe impl aya::Pod for CidrData {}
     unsafe impl aya::Pod for SourceRangeData {}

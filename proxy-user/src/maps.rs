@@ -20,6 +20,8 @@ pub static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR
 /// The TC programs' names in the object.
 pub const TC_INGRESS: &str = "tc_ingress";
 pub const TC_EGRESS: &str = "tc_egress";
+/// The ingress logic in report mode, for `ebpf-proxy trace`; never attached.
+pub const TC_TRACE: &str = "tc_trace";
 
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 

@@ -220,6 +220,62 @@ fn node_port_external_ip_load_balancer_and_verdicts() -> Result<()> {
             assert!(kinds.contains(&(kind.to_string(), scope.to_string())), "dump services lacks {kind}/{scope}: {rows:#}");
         }
     }
+    // trace agrees with what the packets above did, and changes no state.
+    let conntrack_before = flows(&root)?;
+    let counters_before = counters(&root)?;
+    let t = trace(&root, "10.244.0.2", "10.96.0.10:80/TCP")?;
+    assert_eq!((t["verdict"].as_str(), t["type"].as_str(), t["scope"].as_str()), (Some("ACCEPT"), Some("ClusterIP"), Some("internal")), "{t:#}");
+    assert_eq!(t["service"], "demo/cluster:tcp");
+    assert_eq!(strings(&t["candidates"]), set(&["10.244.0.11:8080", "10.244.0.12:8080"]), "{t:#}");
+    assert_eq!(t["masquerade"], false);
+    let t = trace(&root, "203.0.113.2", "192.168.0.2:30080/TCP")?;
+    assert_eq!((t["verdict"].as_str(), t["type"].as_str(), t["scope"].as_str()), (Some("ACCEPT"), Some("NodePort"), Some("external")), "{t:#}");
+    assert_eq!(t["masquerade"], true, "{t:#}");
+    let t = trace(&root, "203.0.113.2", "192.168.0.2:30081/TCP")?;
+    assert_eq!((strings(&t["candidates"]), &t["masquerade"]), (set(&["10.244.0.11:8080"]), &serde_json::json!(false)), "{t:#}");
+    for (from, to, verdict, reason) in [
+        ("10.244.0.2", "10.96.0.12:80/TCP", "REJECT", "no usable endpoint"),
+        ("10.244.0.2", "10.96.0.12:53/UDP", "REJECT", "no usable endpoint"),
+        ("10.244.0.2", "10.96.0.10:81/TCP", "REJECT", "does not serve"),
+        ("10.244.0.2", "10.96.0.99:80/TCP", "DROP", "unallocated"),
+        ("203.0.113.130", "1.2.3.4:80/TCP", "DROP", "loadBalancerSourceRanges"),
+        ("10.244.0.2", "10.97.0.1:80/TCP", "PASS", "not a service"),
+    ] {
+        let t = trace(&root, from, to)?;
+        assert_eq!(t["verdict"], verdict, "{from} -> {to}: {t:#}");
+        assert!(t["reason"].as_str().unwrap_or_default().contains(reason), "{from} -> {to}: {t:#}");
+    }
+    assert_eq!(flows(&root)?, conntrack_before, "trace changed conntrack");
+    assert_eq!(counters(&root)?, counters_before, "trace moved the datapath counters");
     drop(ext);
     Ok(())
+}
+
+/// `ebpf-proxy trace -o json`.
+fn trace(root: &std::path::Path, from: &str, to: &str) -> Result<serde_json::Value> {
+    let out = std::process::Command::new(proxy_tests::agent::agent_bin())
+        .args(["trace", "--from", from, "--to", to, "-o", "json", "--bpffs-root"])
+        .arg(root)
+        .output()?;
+    anyhow::ensure!(out.status.success(), "trace {from} -> {to}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// Conntrack entries without their ages, which move on their own.
+fn flows(root: &std::path::Path) -> Result<BTreeSet<String>> {
+    let rows = dump_json("conntrack", root)?;
+    Ok(rows
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| format!("{} {} -> {} => {}", r["direction"], r["source"], r["destination"], r["translated_to"]))
+        .collect())
+}
+
+fn strings(v: &serde_json::Value) -> BTreeSet<String> {
+    v.as_array().into_iter().flatten().filter_map(|s| s.as_str().map(str::to_string)).collect()
+}
+
+fn counters(root: &std::path::Path) -> Result<Vec<u64>> {
+    proxy_user::maps::Maps::open_pinned(root)?.read_counters()
 }
