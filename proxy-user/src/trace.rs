@@ -104,7 +104,9 @@ pub fn print(from: Source, to: Destination, output: Output, root: &Path) -> Resu
             if !t.candidates.is_empty() {
                 println!("candidates  {}", t.candidates.join(", "));
             }
-            println!("masquerade  {}", if t.masquerade { "yes (the backend sees a node address)" } else { "no (the backend sees the client)" });
+            if t.verdict == "ACCEPT" && !t.existing_flow || t.masquerade {
+                println!("masquerade  {}", if t.masquerade { "yes (the backend sees a node address)" } else { "no (the backend sees the client)" });
+            }
             println!("counters    {}", t.counters.join(", "));
         }
     }
