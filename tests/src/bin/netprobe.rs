@@ -1,13 +1,15 @@
 //! A client for tests that must run as its own process (for example inside
-//! a node's cgroup): `netprobe tcp|udp ADDR:PORT` sends one line to an echo
-//! server and prints `peer=<address the socket reports> reply=<answer>`, or
-//! `error=<io error kind>`.
+//! a node's cgroup): `netprobe tcp|udp ADDR:PORT [SOURCE_IP]` sends one line
+//! to an echo server and prints `peer=<address the socket reports>
+//! reply=<answer>`, or `error=<io error kind>`.
 
 use std::{
     io::{Read, Write},
-    net::{SocketAddr, TcpStream, UdpSocket},
+    net::{IpAddr, SocketAddr, TcpStream, UdpSocket},
     time::Duration,
 };
+
+use socket2::{Domain, Socket, Type};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -17,9 +19,10 @@ fn main() {
         eprintln!("usage: netprobe tcp|udp ADDR:PORT");
         std::process::exit(2);
     };
+    let from: Option<IpAddr> = args.get(3).and_then(|a| a.parse().ok());
     let result = match proto.as_str() {
-        "tcp" => tcp(to),
-        "udp" => udp(to),
+        "tcp" => tcp(to, from),
+        "udp" => udp(to, from),
         _ => {
             eprintln!("netprobe: protocol must be tcp or udp");
             std::process::exit(2);
@@ -31,8 +34,13 @@ fn main() {
     }
 }
 
-fn tcp(to: SocketAddr) -> std::io::Result<(SocketAddr, String)> {
-    let mut s = TcpStream::connect_timeout(&to, TIMEOUT)?;
+fn tcp(to: SocketAddr, from: Option<IpAddr>) -> std::io::Result<(SocketAddr, String)> {
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None)?;
+    if let Some(ip) = from {
+        socket.bind(&SocketAddr::new(ip, 0).into())?;
+    }
+    socket.connect_timeout(&to.into(), TIMEOUT)?;
+    let mut s: TcpStream = socket.into();
     s.set_read_timeout(Some(TIMEOUT))?;
     s.write_all(b"hello\n")?;
     let mut text = String::new();
@@ -41,8 +49,8 @@ fn tcp(to: SocketAddr) -> std::io::Result<(SocketAddr, String)> {
 }
 
 /// Unconnected, so the answer's source comes through recvmsg.
-fn udp(to: SocketAddr) -> std::io::Result<(SocketAddr, String)> {
-    let s = UdpSocket::bind(("0.0.0.0", 0))?;
+fn udp(to: SocketAddr, from: Option<IpAddr>) -> std::io::Result<(SocketAddr, String)> {
+    let s = UdpSocket::bind(SocketAddr::new(from.unwrap_or(IpAddr::from([0, 0, 0, 0])), 0))?;
     s.set_read_timeout(Some(TIMEOUT))?;
     s.send_to(b"hello\n", to)?;
     let mut buf = [0u8; 1500];
