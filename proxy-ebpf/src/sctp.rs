@@ -9,68 +9,72 @@
 //! A packet whose CRC the kernel (or the NIC) computes later —
 //! `skb->ip_summed == CHECKSUM_PARTIAL`, as with SCTP CRC offload on a
 //! locally sent packet — carries no CRC yet, and that later computation
-//! runs over the field as it stands: patching it would plant an error. The
-//! `__sk_buff` context does not expose `ip_summed` and no helper reports
-//! CHECKSUM_PARTIAL. But a TC program's context pointer is the kernel's
-//! `struct sk_buff *`, so `bpf_probe_read_kernel` reads the field at the
-//! offset the agent found in this kernel's BTF (/sys/kernel/btf/vmlinux) and
-//! passed in the read-only globals below. (The kfunc `bpf_cast_to_kern_ctx`
-//! would let the verifier check the access, but bpf-linker 0.13 emits no
-//! `.ksyms` BTF for extern functions, so aya cannot resolve it.)
+//! runs over the field as it stands: patching it would plant an error. TC
+//! programs cannot read `ip_summed`; `reject::checksum_is_partial` tells by
+//! the l4 checksum helper's behaviour (it leaves a partial packet's field
+//! alone), on the CRC field itself, which is restored or rewritten after.
 
-use aya_ebpf::{EbpfContext as _, Global, helpers::bpf_probe_read_kernel, programs::TcContext};
+use aya_ebpf::programs::TcContext;
 use proxy_common::crc32c::update_port;
 
-use crate::parse::Packet;
+use crate::{parse::Packet, reject::checksum_is_partial};
 
 /// Source port, destination port, verification tag, checksum.
 pub const COMMON_HEADER_LEN: usize = 12;
 pub const CHECKSUM_OFF: usize = 8;
 
-/// `ip_summed` value (include/linux/skbuff.h).
-const CHECKSUM_PARTIAL: u8 = 3;
-/// Set in `SKB_IP_SUMMED_OFF` when the layout is unknown: the CRC is then
-/// always updated in software.
-pub const LAYOUT_UNKNOWN: u32 = u32::MAX;
-
-/// Byte offset of the byte holding `sk_buff::ip_summed`, and the bit shift
-/// of the 2-bit field within it, set by the loader (`EbpfLoader::override_global`).
-#[unsafe(no_mangle)]
-static SKB_IP_SUMMED_OFF: Global<u32> = Global::new(LAYOUT_UNKNOWN);
-#[unsafe(no_mangle)]
-static SKB_IP_SUMMED_SHIFT: Global<u32> = Global::new(0);
-
-/// Whether the kernel will compute this packet's checksum itself later.
-#[inline(always)]
-pub fn checksum_left_to_kernel(ctx: &TcContext) -> bool {
-    let off = SKB_IP_SUMMED_OFF.load();
-    if off == LAYOUT_UNKNOWN {
-        return false;
-    }
-    let shift = SKB_IP_SUMMED_SHIFT.load();
-    let skb = ctx.as_ptr() as *const u8;
-    // A failed read (never expected) counts as "not offloaded": the CRC is
-    // then updated in software, which is right for all but offloaded packets.
-    match unsafe { bpf_probe_read_kernel(skb.wrapping_add(off as usize)) } {
-        Ok(byte) => (byte >> shift) & 3 == CHECKSUM_PARTIAL,
-        Err(_) => false,
-    }
-}
-
 /// Writes `new_port` at `port_field` (0: source, 2: destination) of the
 /// SCTP header and updates the CRC32c by the change, unless the kernel will
 /// compute the CRC later.
+///
+/// The helper calls live in two small subprograms, called one after the
+/// other: a subprogram's stack frame adds to its caller's, and tc_egress's
+/// own frame leaves little of the kernel's 512 bytes.
 #[inline(always)]
 pub fn rewrite_port(ctx: &TcContext, pkt: &Packet, port_field: usize, old_port: u16, new_port: u16) -> Result<(), i64> {
-    if !checksum_left_to_kernel(ctx) {
-        // A plain little-endian load of the field is the CRC value itself
-        // (SCTP sends it least significant byte first).
-        let stored: u32 = ctx.load(pkt.l4_csum_off)?;
-        let after_port = pkt.l4_off + port_field + 2;
-        let dist = pkt.l4_end.checked_sub(after_port).ok_or(-1i64)?;
-        let crc = update_port(stored, old_port.to_ne_bytes(), new_port.to_ne_bytes(), dist as u16);
-        ctx.store(pkt.l4_csum_off, &crc, 0)?;
+    let port_off = pkt.l4_off + port_field;
+    let dist = pkt.l4_end.checked_sub(port_off + 2).ok_or(-1i64)?;
+    let probed = load_crc_and_probe(ctx, pkt.l4_csum_off);
+    if probed < 0 {
+        return Err(probed);
     }
-    ctx.store(pkt.l4_off + port_field, &new_port, 0)?;
-    Ok(())
+    let stored = probed as u32;
+    let crc = if probed & PARTIAL != 0 {
+        stored
+    } else {
+        update_port(stored, old_port.to_ne_bytes(), new_port.to_ne_bytes(), dist as u16)
+    };
+    match store_crc_and_port(ctx, pkt.l4_csum_off, crc, port_off, new_port) {
+        0 => Ok(()),
+        err => Err(err),
+    }
+}
+
+/// Set in `load_crc_and_probe`'s result when the packet is CHECKSUM_PARTIAL.
+const PARTIAL: i64 = 1 << 32;
+
+/// The stored CRC (low 32 bits; a plain little-endian load of the field is
+/// the CRC value, SCTP sending it least significant byte first), `PARTIAL`
+/// if the kernel computes the checksum later, or a helper's negative error.
+/// Leaves the probe's bytes in the field: `store_crc_and_port` overwrites them.
+#[inline(never)]
+fn load_crc_and_probe(ctx: &TcContext, csum_off: usize) -> i64 {
+    let Ok(stored) = ctx.load::<u32>(csum_off) else { return -1 };
+    match checksum_is_partial(ctx, csum_off) {
+        Ok(true) => i64::from(stored) | PARTIAL,
+        Ok(false) => i64::from(stored),
+        Err(e) => e,
+    }
+}
+
+/// Writes the CRC and the port (network order); 0 or a helper's negative error.
+#[inline(never)]
+fn store_crc_and_port(ctx: &TcContext, csum_off: usize, crc: u32, port_off: usize, port: u16) -> i64 {
+    if let Err(e) = ctx.store(csum_off, &crc, 0) {
+        return e;
+    }
+    match ctx.store(port_off, &port, 0) {
+        Ok(()) => 0,
+        Err(e) => e,
+    }
 }

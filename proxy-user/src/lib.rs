@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod attach;
+pub mod cgroup;
 pub mod cleanup;
 pub mod cli;
 pub mod dump;
@@ -9,7 +10,8 @@ pub mod health;
 pub mod manifest;
 pub mod maps;
 pub mod model;
+pub mod node_addrs;
 pub mod rbac;
 pub mod reconciler;
-pub mod skb_layout;
 pub mod source;
+pub mod trace;

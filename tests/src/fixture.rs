@@ -1,8 +1,8 @@
-//! A Katran-style packet fixture harness: the real compiled `tc_ingress`,
-//! real maps on a private bpffs, and a table of cases (input frame, verdict,
-//! expected output frame, counters that must move) run through
-//! BPF_PROG_TEST_RUN, printed as a table. Also single runs timed by the
-//! kernel, for benchmarks.
+//! A Katran-style packet fixture harness: the real compiled `tc_ingress` and
+//! `tc_egress`, real maps on a private bpffs, and a table of cases (input
+//! frame, program and skb mark, verdict, expected output frame and mark,
+//! counters that must move) run through BPF_PROG_TEST_RUN, printed as a
+//! table. Also single runs timed by the kernel, for benchmarks.
 
 use std::{fmt::Write as _, time::Duration};
 
@@ -12,7 +12,7 @@ use aya::{
     programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
 };
 use proxy_common::{COUNTER_NAMES, Counter};
-use proxy_user::maps::{self, Maps, TC_PROGRAM};
+use proxy_user::maps::{self, Maps, TC_EGRESS, TC_INGRESS};
 
 use crate::{bpffs::Bpffs, is_root};
 
@@ -34,40 +34,52 @@ impl Fixture {
         anyhow::ensure!(is_root(), "needs root (BPF)");
         let bpffs = Bpffs::new(label).context("mounting a private bpffs")?;
         let (mut ebpf, mut maps) = maps::load(bpffs.path()).context("loading the BPF object")?;
-        let prog: &mut SchedClassifier =
-            ebpf.program_mut(TC_PROGRAM).context("tc program in the object")?.try_into()?;
-        prog.load().context("verifier accepts tc_ingress")?;
+        for name in [TC_INGRESS, TC_EGRESS] {
+            let prog: &mut SchedClassifier = ebpf.program_mut(name).context("tc program in the object")?.try_into()?;
+            prog.load().with_context(|| format!("verifier accepts {name}"))?;
+        }
         install(&mut maps).context("filling the service maps")?;
+        // As the agent does without --cluster-cidr: every source in-cluster.
+        maps.write_node_config(&Default::default(), &[], &[]).context("node settings")?;
         Ok(Fixture { ebpf, maps, _bpffs: bpffs })
     }
 
-    fn program(&self) -> &SchedClassifier {
-        self.ebpf.program(TC_PROGRAM).unwrap().try_into().unwrap()
+    fn program(&self, name: &str) -> &SchedClassifier {
+        self.ebpf.program(name).unwrap().try_into().unwrap()
     }
 
-    /// One BPF_PROG_TEST_RUN: the verdict and the frame as the program left it.
-    pub fn run(&self, input: &[u8]) -> Result<(u32, Vec<u8>), ProgramError> {
+    /// One BPF_PROG_TEST_RUN of `program`: the verdict, the frame as the
+    /// program left it, and the skb mark (given in, read back).
+    pub fn run(&self, program: &str, input: &[u8], mark: u32) -> Result<(u32, Vec<u8>, u32), ProgramError> {
         let mut out = vec![0u8; input.len() + 256];
-        let res = self.program().test_run(TestRunOptions {
+        // The head of struct __sk_buff: len, pkt_type (both 0 on input), mark.
+        let mut ctx_in = [0u8; 12];
+        ctx_in[8..12].copy_from_slice(&mark.to_ne_bytes());
+        // The kernel writes back the whole struct (ENOSPC if it does not fit).
+        let mut ctx_out = [0u8; 512];
+        let res = self.program(program).test_run(TestRunOptions {
             data_in: Some(input),
             data_out: Some(&mut out),
+            ctx_in: Some(&ctx_in),
+            ctx_out: Some(&mut ctx_out),
             ..TestRunOptions::new()
         })?;
         out.truncate(res.data_size_out as usize);
-        Ok((res.return_value, out))
+        Ok((res.return_value, out, u32::from_ne_bytes(ctx_out[8..12].try_into().unwrap())))
     }
 
-    /// One run as timed by the kernel. A single run, not `repeat`: repeats
-    /// reuse the same skb, so the second pass would see the rewritten frame.
+    /// One run of `tc_ingress` as timed by the kernel. A single run, not
+    /// `repeat`: repeats reuse the same skb, so the second pass would see the
+    /// rewritten frame.
     pub fn time_one(&self, input: &[u8]) -> Result<(u32, Duration), ProgramError> {
-        let res = self.program().test_run(TestRunOptions { data_in: Some(input), ..TestRunOptions::new() })?;
+        let res = self.program(TC_INGRESS).test_run(TestRunOptions { data_in: Some(input), ..TestRunOptions::new() })?;
         Ok((res.return_value, res.duration))
     }
 
     /// Instructions the verifier processed to accept the program: its
     /// headroom under the kernel's 1,000,000 limit.
     pub fn verified_insns(&self) -> Option<u32> {
-        self.program().info().ok()?.verified_instruction_count()
+        self.program(TC_INGRESS).info().ok()?.verified_instruction_count()
     }
 
     pub fn counters(&self) -> Vec<u64> {
@@ -91,11 +103,34 @@ pub struct Case {
     pub counters: Vec<Counter>,
     /// A check of the map state after the case ran.
     pub after: Option<fn(&Maps) -> Result<(), String>>,
+    /// Run tc_egress with this skb mark instead of tc_ingress.
+    pub egress_mark: Option<u32>,
+    /// The skb mark the program must leave (`None`: any).
+    pub mark: Option<u32>,
 }
 
 impl Case {
     pub fn new(what: &str, input: Vec<u8>, verdict: u32, output: Expect, counters: &[Counter]) -> Self {
-        Case { what: what.to_string(), input, verdict, output, counters: counters.to_vec(), after: None }
+        Case {
+            what: what.to_string(),
+            input,
+            verdict,
+            output,
+            counters: counters.to_vec(),
+            after: None,
+            egress_mark: None,
+            mark: None,
+        }
+    }
+
+    pub fn at_egress(mut self, mark: u32) -> Self {
+        self.egress_mark = Some(mark);
+        self
+    }
+
+    pub fn leaves_mark(mut self, mark: u32) -> Self {
+        self.mark = Some(mark);
+        self
     }
 
     pub fn translated(what: &str, input: Vec<u8>, want: Vec<u8>, counter: Counter) -> Self {
@@ -134,9 +169,15 @@ pub fn run_table(
     for case in cases {
         let before = fx.counters();
         let mut row = Row { what: case.what.clone(), want: case.verdict, got: None, problems: Vec::new() };
-        match fx.run(&case.input) {
+        let program = if case.egress_mark.is_some() { TC_EGRESS } else { TC_INGRESS };
+        match fx.run(program, &case.input, case.egress_mark.unwrap_or(0)) {
             Err(e) => row.problems.push(format!("BPF_PROG_TEST_RUN failed: {}", error_chain(&e))),
-            Ok((verdict, out)) => {
+            Ok((verdict, out, mark)) => {
+                if let Some(want) = case.mark
+                    && mark != want
+                {
+                    row.problems.push(format!("skb mark {mark:#x}, want {want:#x}"));
+                }
                 row.got = Some(verdict);
                 if verdict != case.verdict {
                     row.problems.push(format!("verdict {}, want {}", verdict_name(verdict), verdict_name(case.verdict)));

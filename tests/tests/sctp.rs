@@ -88,7 +88,6 @@ fn sctp_cluster_ip_translates_ports_with_valid_crc_both_ways() -> Result<()> {
     let root = bpffs.path().join("agent");
     let mut agent = Agent::start(&node.ns, manifests.path(), &root, &[])?;
     agent.wait_healthy(&node.ns, TIMEOUT)?;
-    anyhow::ensure!(!agent.logs().contains("offload cannot be detected"), "agent:\n{}", agent.logs());
 
     let vip = SocketAddrV4::new(CLUSTER_IP, PORT);
     let at_backend = Capture::open(&backend.ns, "eth0")?;

@@ -1,6 +1,7 @@
 //! SCTP packet fixtures through BPF_PROG_TEST_RUN on the real `tc_ingress`:
 //! an association's INIT, INIT-ACK, DATA and ABORT chunks through a
-//! ClusterIP whose port differs from the targetPort, both directions. Each
+//! ClusterIP whose port differs from the targetPort, both directions (a
+//! reply is recognised at ingress and marked, its source rewritten at egress). Each
 //! expected frame is built for the rewritten tuple with a CRC32c from the
 //! `crc32c` crate, so byte equality means the program's incremental update
 //! produced exactly the reference CRC; every output is also re-parsed and its
@@ -12,7 +13,7 @@
 
 use proxy_common::*;
 use proxy_tests::{
-    fixture::{Case, Expect, Fixture, TC_ACT_UNSPEC, run_table},
+    fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_UNSPEC, run_table},
     sctp::{self, chunk},
 };
 use proxy_user::{maps::Maps, reconciler::MapWriter};
@@ -66,6 +67,16 @@ fn readdressed(inner: &[u8], src: [u8; 4], dst: [u8; 4]) -> Vec<u8> {
     sctp::frame(src, dst, &inner[SCTP_OFF..], MAC_SRC, MAC_DST)
 }
 
+/// A reply at ingress: recognised, left as it is, marked for egress.
+fn marked_reply(what: &str, input: Vec<u8>) -> Case {
+    Case::new(what, input, TC_ACT_OK, Expect::Unchanged, &[Counter::Reply]).leaves_mark(REVERSE_NAT_MARK)
+}
+
+/// The marked reply at egress: its source becomes the frontend.
+fn egress_reply(what: &str, input: Vec<u8>, want: Vec<u8>) -> Case {
+    Case::new(what, input, TC_ACT_OK, Expect::Translated(want), &[]).at_egress(REVERSE_NAT_MARK).leaves_mark(0)
+}
+
 fn association_cases() -> Vec<Case> {
     let client = (CLIENT, 40000);
     let vip = (VIP, PORT);
@@ -80,11 +91,14 @@ fn association_cases() -> Vec<Case> {
             Counter::NewFlow,
         )
         .then(conntrack_has_both_directions),
-        Case::translated(
-            "INIT-ACK 10.244.0.11:3905 -> 10.244.0.2:40000 comes from 10.96.0.10:2905",
+        marked_reply(
+            "INIT-ACK 10.244.0.11:3905 -> 10.244.0.2:40000: recognised at ingress, marked for egress",
+            frame(backend, client, CLIENT_TAG, &[chunk::init_ack(SERVER_TAG, cookie)]),
+        ),
+        egress_reply(
+            "egress: INIT-ACK 10.244.0.11:3905 -> 10.244.0.2:40000 comes from 10.96.0.10:2905",
             frame(backend, client, CLIENT_TAG, &[chunk::init_ack(SERVER_TAG, cookie)]),
             frame(vip, client, CLIENT_TAG, &[chunk::init_ack(SERVER_TAG, cookie)]),
-            Counter::Reply,
         ),
         Case::translated(
             "DATA (1-byte message) -> 10.96.0.10:2905: established, same backend",
@@ -98,11 +112,14 @@ fn association_cases() -> Vec<Case> {
             frame(client, backend, SERVER_TAG, &[chunk::data(1001, &big)]),
             Counter::Established,
         ),
-        Case::translated(
-            "DATA reply 10.244.0.11:3905 -> client comes from 10.96.0.10:2905",
+        marked_reply(
+            "DATA reply 10.244.0.11:3905 -> client: recognised at ingress, marked for egress",
+            frame(backend, client, CLIENT_TAG, &[chunk::data(5000, b"ack")]),
+        ),
+        egress_reply(
+            "egress: DATA reply 10.244.0.11:3905 -> client comes from 10.96.0.10:2905",
             frame(backend, client, CLIENT_TAG, &[chunk::data(5000, b"ack")]),
             frame(vip, client, CLIENT_TAG, &[chunk::data(5000, b"ack")]),
-            Counter::Reply,
         ),
         Case::translated(
             "DATA with a wrong CRC: translated, and still wrong by the same xor difference",
@@ -110,11 +127,14 @@ fn association_cases() -> Vec<Case> {
             with_crc_error(frame(client, backend, SERVER_TAG, &[chunk::data(1002, b"corrupt")])),
             Counter::Established,
         ),
-        Case::translated(
-            "ABORT reply from 10.244.0.11:3905 comes from 10.96.0.10:2905",
+        marked_reply(
+            "ABORT reply from 10.244.0.11:3905: recognised at ingress, marked for egress",
+            frame(backend, client, CLIENT_TAG, &[chunk::abort()]),
+        ),
+        egress_reply(
+            "egress: ABORT reply from 10.244.0.11:3905 comes from 10.96.0.10:2905",
             frame(backend, client, CLIENT_TAG, &[chunk::abort()]),
             frame(vip, client, CLIENT_TAG, &[chunk::abort()]),
-            Counter::Reply,
         ),
         Case::translated(
             "ABORT -> 10.96.0.10:2905 goes to 10.244.0.11:3905",
@@ -145,11 +165,14 @@ fn address_only_cases() -> Vec<Case> {
             readdressed(&init, CLIENT, BACKEND),
             Counter::NewFlow,
         ),
-        Case::translated(
-            "INIT-ACK reply: source address rewritten, SCTP bytes untouched",
+        marked_reply(
+            "INIT-ACK reply 10.244.0.11:3905 -> 10.244.0.2:40002: recognised at ingress, marked for egress",
+            init_ack.clone(),
+        ),
+        egress_reply(
+            "egress: INIT-ACK reply: source address rewritten to 10.96.0.12, SCTP bytes untouched",
             init_ack.clone(),
             readdressed(&init_ack, VIP_SAME_PORT, CLIENT),
-            Counter::Reply,
         ),
         Case::translated(
             "DATA with a wrong CRC, address only: the CRC stays exactly as wrong",
