@@ -4,6 +4,10 @@
 //! backend must see its own address and the targetPort with a CRC32c the
 //! `crc32c` crate accepts, and the client the ClusterIP:port it dialled.
 //!
+//! Through a NodePort from a host outside the cluster (externalTrafficPolicy
+//! Cluster), the flow is also masqueraded: the backend sees the node's
+//! address, and the reply goes back through the node.
+//!
 //! A second association is sent the way a locally generated packet with
 //! checksum offload looks (CHECKSUM_PARTIAL, via a packet socket with a
 //! virtio_net_hdr): its CRC is computed later, so the datapath must leave
@@ -31,6 +35,10 @@ const BACKEND_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 11);
 const TIMEOUT: Duration = Duration::from_secs(10);
 const WAIT: Duration = Duration::from_secs(3);
 
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 2);
+const EXTERNAL: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+const NODE_PORT: u16 = 30905;
+
 const CLIENT_TAG: u32 = 0x0a0b_0c0d;
 const SERVER_TAG: u32 = 0x1a1b_1c1d;
 
@@ -40,10 +48,10 @@ fn service_yaml() -> String {
 kind: Service
 metadata: {{name: sig, namespace: tel}}
 spec:
-  type: ClusterIP
+  type: NodePort
   clusterIP: {CLUSTER_IP}
   ports:
-  - {{name: m3ua, port: {PORT}, targetPort: {TARGET}, protocol: SCTP}}
+  - {{name: m3ua, port: {PORT}, targetPort: {TARGET}, nodePort: {NODE_PORT}, protocol: SCTP}}
 ---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
@@ -151,4 +159,39 @@ fn sctp_cluster_ip_translates_ports_with_valid_crc_both_ways() -> Result<()> {
 fn parse_mac(text: &str) -> Result<[u8; 6]> {
     let bytes: Vec<u8> = text.split(':').map(|h| u8::from_str_radix(h, 16)).collect::<Result<_, _>>()?;
     bytes.try_into().map_err(|_| anyhow::anyhow!("MAC {text:?}"))
+}
+
+#[test]
+fn sctp_node_port_from_outside_is_masqueraded_with_valid_crc() -> Result<()> {
+    assert!(is_root(), "needs root (network namespaces and BPF)");
+    let mut node = Node::new("sctpnp")?;
+    let backend = node.add_pod("backend", BACKEND_IP)?;
+    let ext = node.add_external("ext", NODE_IP, &[EXTERNAL], &[])?;
+
+    let bpffs = Bpffs::new("sctpnp")?;
+    let manifests = tempfile::tempdir()?;
+    std::fs::write(manifests.path().join("sig.yaml"), service_yaml())?;
+    let root = bpffs.path().join("agent");
+    let flags = ["--cluster-cidr", "10.244.0.0/16", "--service-cidr", "10.96.0.0/16"];
+    let mut agent = Agent::start(&node.ns, manifests.path(), &root, &flags)?;
+    agent.wait_healthy(&node.ns, TIMEOUT)?;
+
+    let at_backend = Capture::open(&backend.ns, "eth0")?;
+    let at_ext = Capture::open(&ext.ns, "eth0")?;
+    let client = SocketAddrV4::new(EXTERNAL, 40000);
+    let node_port = SocketAddrV4::new(NODE_IP, NODE_PORT);
+
+    let sent = sctp::packet(client.port(), NODE_PORT, 0, &[chunk::init(CLIENT_TAG)]);
+    sctp::send_raw(&ext.ns, NODE_IP, sent)?;
+    // Masqueraded: from the node, on whatever port the SNAT table chose.
+    let got = at_backend.next(WAIT, |s| *s.src.ip() == NODE_IP).context("INIT at the backend")?;
+    let seen_from = got.seen.src;
+    check_seen("INIT via NodePort", &got.seen, seen_from, SocketAddrV4::new(BACKEND_IP, TARGET), CHUNK_INIT)
+        .with_context(|| agent.logs())?;
+
+    let reply = sctp::packet(TARGET, seen_from.port(), CLIENT_TAG, &[chunk::init_ack(SERVER_TAG, b"cookie")]);
+    sctp::send_raw(&backend.ns, NODE_IP, reply)?;
+    let got = at_ext.next(WAIT, |s| s.dst == client).context("INIT-ACK at the external client")?;
+    check_seen("INIT-ACK via NodePort", &got.seen, node_port, client, CHUNK_INIT_ACK).with_context(|| agent.logs())?;
+    Ok(())
 }
