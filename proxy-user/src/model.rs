@@ -604,7 +604,10 @@ endpoints:
         let addr = Addr::from("10.96.0.30".parse::<IpAddr>().unwrap());
         let sctp = FrontendKey { addr, port: 2905u16.to_be(), proto: IPPROTO_SCTP, scope: SCOPE_INTERNAL };
         assert_eq!(state.frontends[&sctp].set.service.to_string(), "tel/sig:m3ua");
-        assert_eq!(state.frontends.len(), 2);
+        // Every frontend (each scope) the TCP port gets, the SCTP port gets too.
+        let of = |proto| state.frontends.iter().filter(move |(k, _)| k.proto == proto);
+        assert_eq!(of(IPPROTO_SCTP).count(), of(IPPROTO_TCP).count());
+        assert!(of(IPPROTO_SCTP).all(|(_, f)| f.set.service.to_string() == "tel/sig:m3ua"));
         let set = &state.backend_sets[&state.frontends[&sctp].set];
         let got: Vec<(String, u16, u8)> = set.iter().map(|b| (b.addr.to_string(), b.port, b.proto)).collect();
         assert_eq!(got, [("10.244.0.21".to_string(), 3905, IPPROTO_SCTP)]);
