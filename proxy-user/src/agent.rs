@@ -17,9 +17,10 @@ use crate::{
     cli::RunArgs,
     health::{self, Health},
     maps::{self, Maps},
+    metrics::{self, Metrics, TriggerTimes},
     model::{self, ModelConfig, ObjectError},
     reconciler::Reconciler,
-    source::{Snapshot, Source, manifests::ManifestsSource},
+    source::{Configured, Snapshot, Source, kube::{self as kube_source, KubeSource}, manifests::ManifestsSource},
 };
 
 /// After a failed sync, try again this soon.
@@ -30,11 +31,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
         Some(n) => n.clone(),
         None => nix::unistd::gethostname()?.to_string_lossy().into_owned(),
     };
-    let source = match (&args.manifests, &args.kubeconfig) {
-        (Some(dir), _) => ManifestsSource::new(dir)?,
-        (None, _) => anyhow::bail!(
-            "the Kubernetes API source is not available in this build yet; run with --manifests DIR"
-        ),
+    let source = match &args.manifests {
+        Some(dir) => Configured::Manifests(ManifestsSource::new(dir)?),
+        None => {
+            let client = kube_source::client(args.kubeconfig.as_deref()).await?;
+            Configured::Kube(KubeSource::new(client, node_name.clone()))
+        }
     };
 
     let (ebpf, mut maps) = maps::load(&args.bpffs_root)?;
@@ -56,6 +58,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let health = Health::default();
     health::serve(args.healthz_bind_address, health.clone()).await?;
+    let metrics = Metrics::new(&args.bpffs_root);
+    metrics::serve(args.metrics_bind_address, metrics.clone()).await?;
 
     let (tx, mut rx) = watch::channel(None);
     let mut source_task = tokio::spawn(source.run(tx));
@@ -63,7 +67,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let mut sigint = signal(SignalKind::interrupt())?;
 
     let config = ModelConfig { node_name };
-    let mut syncer = Syncer { config, last_errors: Vec::new(), health };
+    let mut syncer = Syncer {
+        config,
+        last_errors: Vec::new(),
+        health,
+        metrics,
+        trigger_times: TriggerTimes::new(chrono::Utc::now()),
+    };
     let mut pending: Option<Arc<Snapshot>> = None;
     let mut retry_at: Option<Instant> = None;
     loop {
@@ -100,6 +110,8 @@ struct Syncer {
     config: ModelConfig,
     last_errors: Vec<ObjectError>,
     health: Health,
+    metrics: Metrics,
+    trigger_times: TriggerTimes,
 }
 
 impl Syncer {
@@ -108,13 +120,25 @@ impl Syncer {
         let start = std::time::Instant::now();
         let (desired, errors) = model::build(snap, &self.config);
         // Each bad object is reported when it appears, not on every sync.
-        for e in errors.iter().filter(|e| !self.last_errors.contains(e)) {
+        let new: Vec<&ObjectError> = errors.iter().filter(|e| !self.last_errors.contains(e)).collect();
+        for e in &new {
             warn!("skipped {e}");
         }
+        self.metrics.skipped(&errors, &new);
         self.last_errors = errors;
         match reconciler.sync(&desired, maps) {
             Ok(stats) => {
                 self.health.sync_succeeded();
+                let now = chrono::Utc::now();
+                for t in self.trigger_times.new_in(snap) {
+                    self.metrics.programmed_after((now - t).num_milliseconds().max(0) as f64 / 1000.0);
+                }
+                self.metrics.sync_succeeded(
+                    start.elapsed().as_secs_f64(),
+                    desired.backend_sets.len(),
+                    stats.frontends,
+                    stats.backends,
+                );
                 info!(
                     services = desired.backend_sets.len(),
                     frontends = stats.frontends,
@@ -129,6 +153,7 @@ impl Syncer {
             }
             Err(e) => {
                 self.health.sync_failed();
+                self.metrics.sync_failed();
                 error!("sync failed, retrying in {RETRY:?}: {e:#}");
                 false
             }

@@ -8,6 +8,7 @@ pub mod dump;
 pub mod health;
 pub mod manifest;
 pub mod maps;
+pub mod metrics;
 pub mod model;
 pub mod rbac;
 pub mod reconciler;
