@@ -10,6 +10,7 @@ pub mod manifest;
 pub mod maps;
 pub mod metrics;
 pub mod model;
+pub mod node_addrs;
 pub mod rbac;
 pub mod reconciler;
 pub mod source;

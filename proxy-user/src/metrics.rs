@@ -7,7 +7,7 @@ use std::{
     collections::BTreeMap,
     net::SocketAddr,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::Arc,
 };
 
 use anyhow::Result;
@@ -27,7 +27,7 @@ use prometheus_client::{
 };
 use proxy_common::{COUNTER_NAMES, Counter as DpCounter};
 
-use crate::{maps::Maps, model::ObjectError, source::Snapshot};
+use crate::{model::ObjectError, source::Snapshot};
 
 /// The EndpointSlice annotation the endpoints controller sets to when the
 /// change it reflects happened (network programming latency starts there).
@@ -104,7 +104,7 @@ impl Metrics {
             "Problems found in objects and skipped, counted when each first appears",
             skipped_total.clone(),
         );
-        registry.register_collector(Box::new(Dataplane { root: bpffs_root.to_path_buf(), maps: Mutex::new(None) }));
+        registry.register_collector(Box::new(Dataplane { root: bpffs_root.to_path_buf() }));
         Metrics {
             registry: Arc::new(registry),
             sync_duration,
@@ -224,67 +224,92 @@ impl TriggerTimes {
     }
 }
 
-/// Scrape-time figures from the pinned maps.
+/// Scrape-time figures from the pinned maps (opened at each scrape, so a
+/// scrape never holds them and sees them again after a cleanup and restart).
+#[derive(Debug)]
 struct Dataplane {
     root: PathBuf,
-    /// Opened at the first scrape that finds them, then kept.
-    maps: Mutex<Option<Maps>>,
 }
 
-impl std::fmt::Debug for Dataplane {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Dataplane").field("root", &self.root).finish_non_exhaustive()
-    }
+fn open_pinned(root: &Path, name: &str) -> Result<aya::maps::Map> {
+    Ok(aya::maps::Map::from_map_data(aya::maps::MapData::from_pin(root.join(name))?)?)
 }
 
-/// (map, entries, capacity) for every pinned map under `root`.
-pub fn map_fill(root: &Path, maps: &Maps) -> Result<Vec<(&'static str, u64, u64)>> {
+fn hash_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64> {
+    let map: aya::maps::HashMap<aya::maps::MapData, K, V> = open_pinned(root, name)?.try_into()?;
+    Ok(map.keys().filter(|k| k.is_ok()).count() as u64)
+}
+
+fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64> {
+    let map: aya::maps::LpmTrie<aya::maps::MapData, K, V> = open_pinned(root, name)?.try_into()?;
+    Ok(map.keys().filter(|k| k.is_ok()).count() as u64)
+}
+
+/// (map, entries, capacity) for every pinned map under `root`. Hash maps
+/// are counted key by key: a scrape of a full conntrack costs some
+/// milliseconds, never the datapath.
+pub fn map_fill(root: &Path) -> Result<Vec<(&'static str, u64, u64)>> {
     use proxy_common::*;
     let entries = [
-        (MAP_FRONTENDS, maps.frontends.keys().count()),
-        (MAP_BACKEND_SLOTS, maps.slots.keys().count()),
-        (MAP_BACKENDS, maps.backends.keys().count()),
-        (MAP_CONNTRACK, maps.conntrack.keys().count()),
-        (MAP_SERVICE_NAMES, maps.names.keys().count()),
+        (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>(root, MAP_FRONTENDS)?),
+        (MAP_BACKEND_SLOTS, hash_entries::<SlotKey, u32>(root, MAP_BACKEND_SLOTS)?),
+        (MAP_BACKENDS, hash_entries::<u32, Backend>(root, MAP_BACKENDS)?),
+        (MAP_CONNTRACK, hash_entries::<CtKey, CtEntry>(root, MAP_CONNTRACK)?),
+        (MAP_SERVICE_NAMES, hash_entries::<u32, ServiceName>(root, MAP_SERVICE_NAMES)?),
+        (MAP_SNAT, hash_entries::<CtKey, SnatEntry>(root, MAP_SNAT)?),
+        (MAP_SNAT_ADDRS, hash_entries::<u32, Addr>(root, MAP_SNAT_ADDRS)?),
+        (MAP_AFFINITY, hash_entries::<AffinityKey, AffinityEntry>(root, MAP_AFFINITY)?),
+        (MAP_CLUSTER_CIDRS, trie_entries::<CidrData, u8>(root, MAP_CLUSTER_CIDRS)?),
+        (MAP_SERVICE_CIDRS, trie_entries::<CidrData, u8>(root, MAP_SERVICE_CIDRS)?),
+        (MAP_SOURCE_RANGES, trie_entries::<SourceRangeData, u8>(root, MAP_SOURCE_RANGES)?),
         // An array: every slot exists.
-        (MAP_COUNTERS, MAX_COUNTERS as usize),
+        (MAP_COUNTERS, u64::from(MAX_COUNTERS)),
     ];
+    debug_assert_eq!(entries.len(), crate::maps::PINNED_MAPS.len());
     entries
         .into_iter()
         .map(|(name, n)| {
             let info = aya::maps::MapInfo::from_pin(root.join(name))?;
-            Ok((name, n as u64, u64::from(info.max_entries())))
+            Ok((name, n, u64::from(info.max_entries())))
         })
         .collect()
 }
 
-/// A datapath counter as (verdict, drop reason); the reason is empty unless dropped.
+/// Per-CPU counters summed, indexed like `COUNTER_NAMES`.
+fn read_counters(root: &Path) -> Result<Vec<u64>> {
+    let map: aya::maps::PerCpuArray<aya::maps::MapData, u64> = open_pinned(root, proxy_common::MAP_COUNTERS)?.try_into()?;
+    (0..proxy_common::MAX_COUNTERS).map(|i| Ok(map.get(&i, 0)?.iter().sum())).collect()
+}
+
+/// A datapath counter as (verdict, reason). Every counter names its reason;
+/// the verdict says what happened to the packet.
 fn verdict_of(index: usize) -> (&'static str, &'static str) {
-    const PASSED: usize = DpCounter::Passed as usize;
-    const MALFORMED: usize = DpCounter::Malformed as usize;
-    const FRAGMENT: usize = DpCounter::Fragment as usize;
-    const NO_BACKEND: usize = DpCounter::NoBackend as usize;
-    const CT_FULL: usize = DpCounter::CtFull as usize;
-    const REWRITE_FAILED: usize = DpCounter::RewriteFailed as usize;
-    match index {
-        PASSED | MALFORMED | FRAGMENT => ("passed", ""),
-        NO_BACKEND | CT_FULL | REWRITE_FAILED => ("dropped", COUNTER_NAMES[index]),
-        _ => ("translated", ""),
-    }
+    use DpCounter::*;
+    let verdict = match index {
+        i if i == Passed as usize || i == Malformed as usize || i == Fragment as usize => "passed",
+        i if i == Rejected as usize => "rejected",
+        i if [NoBackend, CtFull, RewriteFailed, DropUnallocated, DropSourceRange, DropNoLocal, RejectFailed]
+            .iter()
+            .any(|c| *c as usize == i) =>
+        {
+            "dropped"
+        }
+        // NewFlow, Established, Reply, Rebalanced, Masqueraded, SnatFailed, AffinityHit:
+        // the packet was translated (SnatFailed: without masquerade).
+        _ => "translated",
+    };
+    (verdict, COUNTER_NAMES[index])
 }
 
 impl Collector for Dataplane {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
-        let mut guard = self.maps.lock().unwrap();
-        if guard.is_none() {
-            *guard = Maps::open_pinned(&self.root).ok();
+        if !self.root.exists() {
+            return Ok(()); // nothing pinned yet, or cleaned up: no figures rather than invented ones
         }
-        let Some(maps) = guard.as_ref() else { return Ok(()) };
-        let fill = match map_fill(&self.root, maps) {
+        let fill = match map_fill(&self.root) {
             Ok(f) => f,
             Err(e) => {
                 tracing::warn!("metrics: cannot read the pinned maps: {e:#}");
-                *guard = None; // e.g. removed by `ebpf-proxy cleanup`: reopen next time
                 return Ok(());
             }
         };
@@ -296,7 +321,7 @@ impl Collector for Dataplane {
         for (map, _, cap) in &fill {
             ConstGauge::new(*cap as i64).encode(enc.encode_family(&[("map", *map)])?)?;
         }
-        let counters = match maps.read_counters() {
+        let counters = match read_counters(&self.root) {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!("metrics: cannot read the packet counters: {e:#}");
@@ -305,13 +330,13 @@ impl Collector for Dataplane {
         };
         let mut enc = encoder.encode_descriptor(
             "ebpf_proxy_packets",
-            "Packets seen by the datapath, by verdict, drop reason and counter (summed over CPUs)",
+            "Packets seen by the datapath (summed over CPUs), by verdict and its reason",
             None,
             MetricType::Counter,
         )?;
         for (i, value) in counters.iter().enumerate() {
             let (verdict, reason) = verdict_of(i);
-            let labels = [("verdict", verdict), ("reason", reason), ("counter", COUNTER_NAMES[i])];
+            let labels = [("verdict", verdict), ("reason", reason)];
             ConstCounter::new(*value).encode(enc.encode_family(&labels)?)?;
         }
         Ok(())
@@ -383,7 +408,7 @@ endpoints: []
 
     #[test]
     fn every_problem_the_model_reports_has_a_class_and_is_counted() {
-        let (_, errors) = model::build(&snapshot(BAD), &ModelConfig { node_name: "n".into() });
+        let (_, errors) = model::build(&snapshot(BAD), &ModelConfig { node_name: "n".into(), ..Default::default() });
         assert!(errors.len() >= 5, "{errors:?}");
         for e in &errors {
             assert_ne!(classify(e).1, "other", "unclassified: {e}");
@@ -423,11 +448,12 @@ endpoints: []
 
     #[test]
     fn verdicts_cover_every_counter() {
-        for i in 0..COUNTER_NAMES.len() {
-            let (verdict, reason) = verdict_of(i);
-            assert_eq!(verdict == "dropped", !reason.is_empty(), "{}", COUNTER_NAMES[i]);
-        }
         assert_eq!(verdict_of(DpCounter::NoBackend as usize), ("dropped", "no_backend"));
-        assert_eq!(verdict_of(DpCounter::NewFlow as usize).0, "translated");
+        assert_eq!(verdict_of(DpCounter::DropNoLocal as usize), ("dropped", "drop_no_local"));
+        assert_eq!(verdict_of(DpCounter::Rejected as usize), ("rejected", "rejected"));
+        assert_eq!(verdict_of(DpCounter::NewFlow as usize), ("translated", "new_flow"));
+        assert_eq!(verdict_of(DpCounter::Fragment as usize), ("passed", "fragment"));
+        let verdicts: std::collections::BTreeSet<_> = (0..COUNTER_NAMES.len()).map(|i| verdict_of(i).0).collect();
+        assert_eq!(verdicts.len(), 4, "{verdicts:?}");
     }
 }

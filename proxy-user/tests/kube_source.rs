@@ -399,10 +399,12 @@ async fn list_watch_bookmark_and_410_relist_against_a_fake_apiserver() {
     assert_eq!(slices(&snap), ["db-1", "web-1"]);
     assert_eq!(summary(Some(&snap)).unwrap().2.as_deref(), Some("zone-a"));
     // The same model as the manifests source runs on it.
-    let (state, errors) = model::build(&snap, &ModelConfig { node_name: NODE.into() });
+    let (state, errors) = model::build(&snap, &ModelConfig { node_name: NODE.into(), ..Default::default() });
     assert!(errors.is_empty(), "{errors:?}");
-    assert_eq!(state.frontends.len(), 2);
-    assert_eq!(state.backend_sets.values().map(Vec::len).sum::<usize>(), 3);
+    let served: std::collections::BTreeSet<String> = state.frontends.values().map(|f| f.set.service.to_string()).collect();
+    assert_eq!(served.into_iter().collect::<Vec<_>>(), ["shop/db:http", "shop/web:http"]);
+    let backends: std::collections::BTreeSet<String> = state.backend_sets.values().flatten().map(|b| b.addr.to_string()).collect();
+    assert_eq!(backends.into_iter().collect::<Vec<_>>(), ["10.244.0.11", "10.244.0.12", "10.244.0.21"]);
 
     // Added, modified, deleted.
     for r in ["services", "endpointslices", "nodes"] {

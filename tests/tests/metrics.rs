@@ -1,6 +1,6 @@
 //! /metrics with real traffic: map fill against capacity, and the datapath's
 //! per-CPU verdict counters, move with the packets sent through a ClusterIP;
-//! a Service without endpoints shows up as drops with their reason; a bad
+//! a Service without endpoints shows up as rejects; a bad
 //! object is counted by kind and reason.
 
 use std::{
@@ -11,7 +11,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_tests::{
-    agent::Agent,
+    agent::{Agent, dump_json},
     bpffs::Bpffs,
     echo::{EchoServer, tcp_request, udp_request},
     is_root,
@@ -56,13 +56,20 @@ fn scrape_shows_map_fill_and_verdicts_moving_with_traffic() -> Result<()> {
     agent.wait_healthy(&node.ns, TIMEOUT)?;
 
     let before = agent.scrape(&node.ns)?;
-    // Capacities are the maps' own, entries what the sync wrote: echo's TCP
-    // and UDP frontends and one backend each, plus empty's frontend.
+    // Capacities are the maps' own; entries agree with what `dump` reads and
+    // what the sync reports: the backend's TCP and UDP ports.
     assert_eq!(get(&before, r#"ebpf_proxy_map_capacity{map="FRONTENDS"}"#)?, 262_144.0);
     assert_eq!(get(&before, r#"ebpf_proxy_map_capacity{map="CONNTRACK"}"#)?, 131_072.0);
-    assert_eq!(get(&before, r#"ebpf_proxy_map_entries{map="FRONTENDS"}"#)?, 3.0);
+    for map in proxy_user::maps::PINNED_MAPS {
+        get(&before, &format!(r#"ebpf_proxy_map_entries{{map="{map}"}}"#))?;
+        get(&before, &format!(r#"ebpf_proxy_map_capacity{{map="{map}"}}"#))?;
+    }
+    let frontends = dump_json("services", &root)?.as_array().map_or(0, Vec::len) as f64;
+    assert!(frontends >= 3.0, "echo TCP, echo UDP and empty at least");
+    assert_eq!(get(&before, r#"ebpf_proxy_map_entries{map="FRONTENDS"}"#)?, frontends);
+    assert_eq!(get(&before, "ebpf_proxy_frontends_programmed")?, frontends);
     assert_eq!(get(&before, r#"ebpf_proxy_map_entries{map="BACKENDS"}"#)?, 2.0);
-    assert_eq!(get(&before, "ebpf_proxy_services_programmed")?, 3.0);
+    assert_eq!(get(&before, "ebpf_proxy_endpoints_programmed")?, 2.0);
     assert!(get(&before, "kubeproxy_sync_proxy_rules_duration_seconds_count")? >= 1.0);
     assert_eq!(get(&before, r#"ebpf_proxy_skipped_objects_total{kind="Service",reason="port_out_of_range"}"#)?, 1.0);
     assert_eq!(get(&before, r#"ebpf_proxy_invalid_objects{kind="Service",reason="port_out_of_range"}"#)?, 1.0);
@@ -72,18 +79,18 @@ fn scrape_shows_map_fill_and_verdicts_moving_with_traffic() -> Result<()> {
         tcp_request(&client.ns, SocketAddr::from((CLUSTER_IP, TCP_PORT))).with_context(|| format!("tcp {i}: {}", agent.logs()))?;
         udp_request(&client.ns, SocketAddr::from((CLUSTER_IP, UDP_PORT))).with_context(|| format!("udp {i}"))?;
     }
-    // A connection to the Service without endpoints: dropped, with its reason.
+    // A connection to the Service without endpoints: rejected, as kube-proxy does.
     let empty = SocketAddr::from((EMPTY_IP, 80));
     let refused = client.ns.run(move || TcpStream::connect_timeout(&empty, Duration::from_millis(300)).is_err())?;
     assert!(refused, "a Service without endpoints answered");
 
     let after = agent.scrape(&node.ns)?;
     let moved = |series: &str| -> Result<f64> { Ok(get(&after, series)? - get(&before, series)?) };
-    let new_flows = moved(r#"ebpf_proxy_packets_total{verdict="translated",reason="",counter="new_flow"}"#)?;
+    let new_flows = moved(r#"ebpf_proxy_packets_total{verdict="translated",reason="new_flow"}"#)?;
     assert!(new_flows >= (2 * FLOWS) as f64, "{new_flows} new flows for {FLOWS} TCP + {FLOWS} UDP");
-    assert!(moved(r#"ebpf_proxy_packets_total{verdict="translated",reason="",counter="reply"}"#)? >= (2 * FLOWS) as f64);
-    assert!(moved(r#"ebpf_proxy_packets_total{verdict="translated",reason="",counter="established"}"#)? > 0.0);
-    assert!(moved(r#"ebpf_proxy_packets_total{verdict="dropped",reason="no_backend",counter="no_backend"}"#)? >= 1.0);
+    assert!(moved(r#"ebpf_proxy_packets_total{verdict="translated",reason="reply"}"#)? >= (2 * FLOWS) as f64);
+    assert!(moved(r#"ebpf_proxy_packets_total{verdict="translated",reason="established"}"#)? > 0.0);
+    assert!(moved(r#"ebpf_proxy_packets_total{verdict="rejected",reason="rejected"}"#)? >= 1.0);
     // Each flow holds two conntrack entries (original and reply direction).
     assert!(moved(r#"ebpf_proxy_map_entries{map="CONNTRACK"}"#)? >= (4 * FLOWS) as f64, "{after:#?}");
     assert_eq!(moved(r#"ebpf_proxy_map_entries{map="FRONTENDS"}"#)?, 0.0);
