@@ -14,3 +14,4 @@ pub mod node_addrs;
 pub mod rbac;
 pub mod reconciler;
 pub mod source;
+pub mod topology;
