@@ -16,6 +16,7 @@ use crate::{
     attach::Attacher,
     cli::RunArgs,
     health::{self, Health},
+    healthcheck::{self, HealthCheckServers},
     maps::{self, Maps},
     metrics::{self, Metrics, TriggerTimes},
     model::{self, ModelConfig, ObjectError},
@@ -59,6 +60,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let health = Health::default();
     health::serve(args.healthz_bind_address, health.clone()).await?;
+    let mut health_checks = HealthCheckServers::new(std::net::Ipv4Addr::UNSPECIFIED.into(), health.clone());
     let metrics = Metrics::new(&args.bpffs_root);
     metrics::serve(args.metrics_bind_address, metrics.clone()).await?;
 
@@ -95,6 +97,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     return res.context("source stopped");
                 }
                 latest = rx.borrow_and_update().clone();
+                if let Some(snap) = &latest {
+                    syncer.health.set_node_eligible(health::node_eligible(snap.node.as_ref()));
+                }
+                syncer.health.queued_update();
                 pending = true;
                 retry_at = None;
             }
@@ -105,6 +111,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let addrs = addrs_rx.borrow_and_update().clone();
                 info!(addresses = ?addrs.all(), "node addresses");
                 syncer.config.node_addresses = addrs.all();
+                syncer.health.queued_update();
                 if let Err(e) = maps.write_node_config(&addrs.snat_sources(), &args.cluster_cidr, &args.service_cidr) {
                     error!("writing node settings to the maps failed: {e:#}");
                 }
@@ -124,6 +131,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
             pending = !syncer.sync(snap, &mut reconciler, &mut maps);
             if pending {
                 retry_at = Some(Instant::now() + RETRY);
+            } else {
+                health_checks.sync(&healthcheck::wanted(snap, &syncer.config)).await;
             }
         }
     }

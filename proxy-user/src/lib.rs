@@ -6,6 +6,7 @@ pub mod cleanup;
 pub mod cli;
 pub mod dump;
 pub mod health;
+pub mod healthcheck;
 pub mod manifest;
 pub mod maps;
 pub mod metrics;

@@ -446,7 +446,7 @@ fn protocol_of(p: Option<&str>) -> Option<u8> {
 
 /// Conditions as the EndpointSlice API defines their defaults: ready unset
 /// means ready, serving unset means "as ready", terminating unset means no.
-fn endpoint_flags(ep: &Endpoint, config: &ModelConfig) -> u8 {
+pub(crate) fn endpoint_flags(ep: &Endpoint, config: &ModelConfig) -> u8 {
     let c = ep.conditions.as_ref();
     let ready = c.and_then(|c| c.ready).unwrap_or(true);
     let serving = c.and_then(|c| c.serving).unwrap_or(ready);

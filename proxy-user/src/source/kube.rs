@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use futures::{Stream, StreamExt};
 use k8s_openapi::{
     api::{
-        core::v1::{Node, Service},
+        core::v1::{Node, NodeSpec, Service},
         discovery::v1::EndpointSlice,
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
@@ -109,11 +109,21 @@ fn trim<K: Resource>(mut obj: K) -> K {
     obj
 }
 
-/// Only the Node's name and labels matter (the zone label for topology); the
+/// Only the Node's name and labels (the zone, for topology) and whether it is
+/// going away (deletion, the autoscaler's taint, for /healthz) matter; the
 /// rest changes with every status heartbeat and must not cause a sync.
 fn node_identity(node: Node) -> Node {
+    let taints = node.spec.and_then(|s| s.taints).map(|t| {
+        t.into_iter().filter(|t| t.key == crate::health::TO_BE_DELETED_TAINT).collect::<Vec<_>>()
+    });
     Node {
-        metadata: ObjectMeta { name: node.metadata.name, labels: node.metadata.labels, ..Default::default() },
+        metadata: ObjectMeta {
+            name: node.metadata.name,
+            labels: node.metadata.labels,
+            deletion_timestamp: node.metadata.deletion_timestamp,
+            ..Default::default()
+        },
+        spec: Some(NodeSpec { taints: taints.filter(|t| !t.is_empty()), ..Default::default() }),
         ..Default::default()
     }
 }
