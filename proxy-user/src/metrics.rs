@@ -175,7 +175,7 @@ pub fn classify(e: &ObjectError) -> (&'static str, &'static str) {
         "port_out_of_range"
     } else if r.contains("unknown protocol") {
         "unknown_protocol"
-    } else if r.contains("no such service") || r.contains("kubernetes.io/service-name") {
+    } else if r.contains("no such service") || r.contains("kubernetes.io/service-name label") {
         "missing_service"
     } else if r.contains("duplicate") {
         "duplicate"
@@ -401,7 +401,14 @@ endpoints: [{addresses: [10.244.0.300]}, {addresses: [10.244.0.3]}]
 ---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
-metadata: {name: orphan, namespace: a}
+metadata: {name: web-2, namespace: a, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: c, port: 8080}]
+endpoints: [{addresses: [10.244.0.3]}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: orphan, namespace: a, labels: {kubernetes.io/service-name: gone}}
 addressType: IPv4
 endpoints: []
 "#;
@@ -426,6 +433,8 @@ endpoints: []
         );
         assert!(line(r#"ebpf_proxy_invalid_objects{kind="EndpointSlice",reason="invalid_ip"} 1"#).is_some(), "{text}");
         assert!(line(r#"ebpf_proxy_invalid_objects{kind="Service",reason="unknown_protocol"} 1"#).is_some(), "{text}");
+        assert!(line(r#"ebpf_proxy_invalid_objects{kind="EndpointSlice",reason="missing_service"} 1"#).is_some(), "{text}");
+        assert!(line(r#"ebpf_proxy_invalid_objects{kind="EndpointSlice",reason="duplicate"} 1"#).is_some(), "{text}");
         // Without pinned maps, the dataplane figures are absent, not invented.
         assert!(!text.contains("ebpf_proxy_map_entries"), "{text}");
     }

@@ -136,6 +136,20 @@ pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<Ob
         }
     }
 
+    let services: BTreeSet<(String, String)> = snapshot
+        .services
+        .iter()
+        .map(|s| (s.metadata.namespace.clone().unwrap_or_else(|| "default".into()), s.metadata.name.clone().unwrap_or_default()))
+        .collect();
+    for ((ns, svc), slices) in slices_by_service.iter().filter(|(key, _)| !services.contains(key)) {
+        for slice in slices {
+            errors.push(ObjectError {
+                object: format!("endpointslice {ns}/{}", slice.metadata.name.as_deref().unwrap_or("?")),
+                reason: format!("no such service {ns}/{svc}; ignored until it exists"),
+            });
+        }
+    }
+
     for svc in &snapshot.services {
         let ns = svc.metadata.namespace.clone().unwrap_or_else(|| "default".into());
         let name = svc.metadata.name.clone().unwrap_or_default();
@@ -395,6 +409,8 @@ fn select_endpoints(
     errors: &mut Vec<ObjectError>,
 ) -> (Vec<DesiredBackend>, BTreeMap<(IpAddr, u16), Hints>) {
     let mut hints: BTreeMap<(IpAddr, u16), Hints> = BTreeMap::new();
+    // Which slice listed each endpoint first, to report it listed again elsewhere.
+    let mut listed_in: BTreeMap<(IpAddr, u16), &str> = BTreeMap::new();
     // Keyed by address and port: the same endpoint in two slices counts once.
     let mut all: BTreeMap<(IpAddr, u16), DesiredBackend> = BTreeMap::new();
     for slice in slices {
@@ -425,6 +441,14 @@ fn select_endpoints(
                 continue;
             };
             let backend = DesiredBackend { addr, port: port_num, proto, flags: endpoint_flags(ep, config) };
+            let this_slice = slice.metadata.name.as_deref().unwrap_or("?");
+            let first = *listed_in.entry((addr, port_num)).or_insert(this_slice);
+            if first != this_slice {
+                errors.push(ObjectError {
+                    object: slice_name(),
+                    reason: format!("endpoint {addr}:{port_num} duplicates one in endpointslice {first}; counted once"),
+                });
+            }
             all.entry((addr, port_num))
                 .and_modify(|b| b.flags |= backend.flags)
                 .or_insert(backend);
@@ -540,7 +564,12 @@ endpoints:
     #[test]
     fn cluster_ip_ports_get_ready_endpoints_from_all_slices_once() {
         let (state, errors) = build(&snapshot(WEB), &cfg());
-        assert!(errors.is_empty(), "{errors:?}");
+        // 10.244.0.11 is in both slices: served once, reported once per port.
+        let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        assert_eq!(text, [
+            "endpointslice shop/web-2: endpoint 10.244.0.11:8080 duplicates one in endpointslice web-1; counted once",
+            "endpointslice shop/web-2: endpoint 10.244.0.11:5353 duplicates one in endpointslice web-1; counted once",
+        ]);
         assert_eq!(backends_of(&state, "shop/web:http"), ["10.244.0.11:8080", "10.244.0.13:8080"]);
         assert_eq!(backends_of(&state, "shop/web:dns"), ["10.244.0.11:5353", "10.244.0.13:5353"]);
         let key = FrontendKey {
