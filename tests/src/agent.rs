@@ -37,6 +37,15 @@ impl Agent {
 
     /// Like `start`, with another build of the agent (an upgrade).
     pub fn start_bin(bin: &Path, node: &Netns, manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
+        Agent::launch(bin, node, ("--manifests", manifests), bpffs_root, extra)
+    }
+
+    /// `ebpf-proxy run --kubeconfig FILE` in `node`.
+    pub fn start_kube(node: &Netns, kubeconfig: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
+        Agent::launch(&agent_bin(), node, ("--kubeconfig", kubeconfig), bpffs_root, extra)
+    }
+
+    fn launch(bin: &Path, node: &Netns, source: (&str, &Path), bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
         let healthz: SocketAddr = ([127, 0, 0, 1], 10256).into();
         let metrics: SocketAddr = ([127, 0, 0, 1], 10249).into();
         // Next to the bpffs mount (a bpffs holds no regular files).
@@ -46,8 +55,8 @@ impl Agent {
         let child = node
             .command(bin.to_str().context("agent path is not UTF-8")?)
             .arg("run")
-            .arg("--manifests")
-            .arg(manifests)
+            .arg(source.0)
+            .arg(source.1)
             .arg("--bpffs-root")
             .arg(bpffs_root)
             .arg("--node-name")

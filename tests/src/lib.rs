@@ -10,6 +10,7 @@ pub mod agent;
 pub mod bpffs;
 pub mod demo;
 pub mod echo;
+pub mod fake_api;
 pub mod flows;
 pub mod manifests;
 pub mod netns;
