@@ -88,6 +88,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // The latest snapshot, and whether it (or the node) changed since the last good sync.
     let mut latest: Option<Arc<Snapshot>> = None;
     let mut pending = false;
+    // The first sync waits for the node's addresses: syncing without them
+    // would take an adopted dataplane's NodePorts away for a moment.
+    let mut addrs_listed = false;
     let mut retry_at: Option<Instant> = None;
     loop {
         tokio::select! {
@@ -111,6 +114,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let addrs = addrs_rx.borrow_and_update().clone();
                 info!(addresses = ?addrs.all(), "node addresses");
                 syncer.config.node_addresses = addrs.all();
+                addrs_listed = true;
                 syncer.health.queued_update();
                 if let Err(e) = maps.write_node_config(&addrs.snat_sources(), &args.cluster_cidr, &args.service_cidr) {
                     error!("writing node settings to the maps failed: {e:#}");
@@ -127,7 +131,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
-        if let (true, Some(snap)) = (pending, &latest) {
+        if let (true, true, Some(snap)) = (pending, addrs_listed, &latest) {
             pending = !syncer.sync(snap, &mut reconciler, &mut maps);
             if pending {
                 retry_at = Some(Instant::now() + RETRY);

@@ -145,6 +145,11 @@ fn flows_survive_sigkill_restart_and_upgrade() -> Result<()> {
     agent.wait_healthy(&node.ns, TIMEOUT)?;
     let p = flows.wait_progress(p, STEP).with_context(|| agent.logs())?;
     let np = np_flows.wait_progress(np, STEP).with_context(|| agent.logs())?;
+    let first_sync = agent.logs().lines().find(|l| l.contains("sync done")).map(str::to_string);
+    assert!(
+        first_sync.as_deref().is_some_and(|l| l.contains("writes=0 deletes=0")),
+        "a restart with nothing changed writes nothing: {first_sync:?}"
+    );
     let restarted = hooks(&node.ns, &root, &client)?;
     swapped_in_place(&first, &restarted).context("after the restart")?;
 
