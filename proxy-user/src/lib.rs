@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod attach;
+pub mod cgroup;
 pub mod cleanup;
 pub mod cli;
 pub mod dump;
@@ -16,3 +17,4 @@ pub mod rbac;
 pub mod reconciler;
 pub mod source;
 pub mod topology;
+pub mod trace;

@@ -245,32 +245,40 @@ fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64
     Ok(map.keys().filter(|k| k.is_ok()).count() as u64)
 }
 
-/// (map, entries, capacity) for every pinned map under `root`. Hash maps
-/// are counted key by key: a scrape of a full conntrack costs some
-/// milliseconds, never the datapath.
-pub fn map_fill(root: &Path) -> Result<Vec<(&'static str, u64, u64)>> {
+type EntryCounter = fn(&Path, &str) -> Result<u64>;
+
+/// How to count the entries of each pinned map: by its key and value types.
+const ENTRY_COUNTERS: [(&str, EntryCounter); 13] = {
     use proxy_common::*;
-    let entries = [
-        (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>(root, MAP_FRONTENDS)?),
-        (MAP_BACKEND_SLOTS, hash_entries::<SlotKey, u32>(root, MAP_BACKEND_SLOTS)?),
-        (MAP_BACKENDS, hash_entries::<u32, Backend>(root, MAP_BACKENDS)?),
-        (MAP_CONNTRACK, hash_entries::<CtKey, CtEntry>(root, MAP_CONNTRACK)?),
-        (MAP_SERVICE_NAMES, hash_entries::<u32, ServiceName>(root, MAP_SERVICE_NAMES)?),
-        (MAP_SNAT, hash_entries::<CtKey, SnatEntry>(root, MAP_SNAT)?),
-        (MAP_SNAT_ADDRS, hash_entries::<u32, Addr>(root, MAP_SNAT_ADDRS)?),
-        (MAP_AFFINITY, hash_entries::<AffinityKey, AffinityEntry>(root, MAP_AFFINITY)?),
-        (MAP_CLUSTER_CIDRS, trie_entries::<CidrData, u8>(root, MAP_CLUSTER_CIDRS)?),
-        (MAP_SERVICE_CIDRS, trie_entries::<CidrData, u8>(root, MAP_SERVICE_CIDRS)?),
-        (MAP_SOURCE_RANGES, trie_entries::<SourceRangeData, u8>(root, MAP_SOURCE_RANGES)?),
+    [
+        (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>),
+        (MAP_BACKEND_SLOTS, hash_entries::<SlotKey, u32>),
+        (MAP_BACKENDS, hash_entries::<u32, Backend>),
+        (MAP_CONNTRACK, hash_entries::<CtKey, CtEntry>),
+        (MAP_SERVICE_NAMES, hash_entries::<u32, ServiceName>),
+        (MAP_SNAT, hash_entries::<CtKey, SnatEntry>),
+        (MAP_SNAT_ADDRS, hash_entries::<u32, Addr>),
+        (MAP_AFFINITY, hash_entries::<AffinityKey, AffinityEntry>),
+        (MAP_SOCK_REVNAT, hash_entries::<SockRevKey, FrontendKey>),
+        (MAP_CLUSTER_CIDRS, trie_entries::<CidrData, u8>),
+        (MAP_SERVICE_CIDRS, trie_entries::<CidrData, u8>),
+        (MAP_SOURCE_RANGES, trie_entries::<SourceRangeData, u8>),
         // An array: every slot exists.
-        (MAP_COUNTERS, u64::from(MAX_COUNTERS)),
-    ];
-    debug_assert_eq!(entries.len(), crate::maps::PINNED_MAPS.len());
-    entries
-        .into_iter()
-        .map(|(name, n)| {
+        (MAP_COUNTERS, |_, _| Ok(u64::from(MAX_COUNTERS))),
+    ]
+};
+
+/// (map, entries, capacity) for every pinned map under `root`; entries are
+/// `None` for a map this build cannot count. Hash maps are counted key by
+/// key: a scrape of a full conntrack costs milliseconds, never the datapath.
+pub fn map_fill(root: &Path) -> Result<Vec<(&'static str, Option<u64>, u64)>> {
+    crate::maps::PINNED_MAPS
+        .iter()
+        .map(|name| {
             let info = aya::maps::MapInfo::from_pin(root.join(name))?;
-            Ok((name, n, u64::from(info.max_entries())))
+            let counter = ENTRY_COUNTERS.iter().find(|(n, _)| n == name).map(|(_, c)| c);
+            let entries = counter.map(|count| count(root, name)).transpose()?;
+            Ok((*name, entries, u64::from(info.max_entries())))
         })
         .collect()
 }
@@ -315,7 +323,9 @@ impl Collector for Dataplane {
         };
         let mut enc = encoder.encode_descriptor("ebpf_proxy_map_entries", "Entries in each pinned BPF map", None, MetricType::Gauge)?;
         for (map, entries, _) in &fill {
-            ConstGauge::new(*entries as i64).encode(enc.encode_family(&[("map", *map)])?)?;
+            if let Some(n) = entries {
+                ConstGauge::new(*n as i64).encode(enc.encode_family(&[("map", *map)])?)?;
+            }
         }
         let mut enc = encoder.encode_descriptor("ebpf_proxy_map_capacity", "Maximum entries of each pinned BPF map", None, MetricType::Gauge)?;
         for (map, _, cap) in &fill {
@@ -453,6 +463,14 @@ endpoints: []
         assert!(tt.new_in(&snap).is_empty(), "the same change is not counted twice");
         let snap = snapshot(&(slice("old", "2026-01-01T00:00:09Z") + &slice("new", "2026-01-01T00:00:05Z")));
         assert_eq!(tt.new_in(&snap).len(), 1);
+    }
+
+    #[test]
+    fn every_pinned_map_is_counted() {
+        let counted: Vec<&str> = ENTRY_COUNTERS.iter().map(|(n, _)| *n).collect();
+        for map in crate::maps::PINNED_MAPS {
+            assert!(counted.contains(&map), "no entry counter for pinned map {map}");
+        }
     }
 
     #[test]

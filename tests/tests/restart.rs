@@ -45,15 +45,7 @@ fn node_port_service(backends: &[Ipv4Addr]) -> String {
 }
 
 /// A client outside the node, on a link of its own to the node.
-///
-/// The node accepts packets whose source is one of its own addresses: the
-/// datapath reverse-translates a NodePort reply at the pod veth's ingress,
-/// before routing, so the reply's source becomes the node's address and the
-/// kernel drops it as a martian otherwise. (A datapath matter reported
-/// separately; this test is about restarts.)
 fn external_client(node: &Node) -> Result<Netns> {
-    node.ns.sysctl("net.ipv4.conf.all.accept_local", "1")?;
-    node.ns.sysctl("net.ipv4.conf.default.accept_local", "1")?;
     let ext = Netns::new(&format!("{}-ext", node.prefix))?;
     let node_if = format!("{}x", node.prefix);
     node.ns.ip(&["link", "add", &node_if, "type", "veth", "peer", "name", "eth0", "netns", &ext.name])?;
