@@ -76,11 +76,12 @@ pub fn mode<'a>(ready: impl IntoIterator<Item = &'a Hints>, node_name: &str, zon
             for_zone = true;
         }
     }
-    match () {
-        _ if !any_ready => Mode::All,
-        _ if all_node_hints && for_node => Mode::PreferSameNode,
-        _ if all_zone_hints && for_zone => Mode::PreferSameZone,
-        _ => Mode::All,
+    if any_ready && all_node_hints && for_node {
+        Mode::PreferSameNode
+    } else if any_ready && all_zone_hints && for_zone {
+        Mode::PreferSameZone
+    } else {
+        Mode::All
     }
 }
 
