@@ -31,13 +31,27 @@ pub struct Agent {
 impl Agent {
     /// `ebpf-proxy run --manifests DIR` in `node`, logging to a file.
     pub fn start(node: &Netns, manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
+        Self::start_wrapped(node, &[], manifests, bpffs_root, extra)
+    }
+
+    /// Like `start`, with the agent run through `wrapper` (a command that
+    /// execs its arguments, such as `setpriv --bounding-set=...`).
+    pub fn start_wrapped(node: &Netns, wrapper: &[&str], manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
         let healthz: SocketAddr = ([127, 0, 0, 1], 10256).into();
         // Next to the bpffs mount (a bpffs holds no regular files).
         let mount = bpffs_root.parent().unwrap_or(bpffs_root);
         let log = PathBuf::from(format!("{}.agent.log", mount.display()));
         let log_file = std::fs::File::create(&log)?;
-        let child = node
-            .command(agent_bin().to_str().unwrap())
+        let bin = agent_bin();
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = node.command(program);
+                c.args(args).arg(&bin);
+                c
+            }
+            None => node.command(bin.to_str().unwrap()),
+        };
+        let child = cmd
             .arg("run")
             .arg("--manifests")
             .arg(manifests)
