@@ -1,0 +1,116 @@
+//! `ebpf-proxy cleanup` after an agent attached to several veths: no TCX
+//! program of ours on any interface, no qdisc of ours, no pinned path, our
+//! programs and maps gone from the kernel; what others installed (a clsact
+//! qdisc, a sibling directory on the bpffs) stays; a second run is a no-op
+//! that says so.
+
+use std::{collections::BTreeSet, ffi::CString, net::Ipv4Addr, path::Path, time::Duration};
+
+use anyhow::{Context, Result};
+use aya::{
+    maps::{MapData, loaded_maps},
+    programs::{SchedClassifier, TcAttachType, loaded_programs},
+};
+use proxy_common::*;
+use proxy_tests::{
+    agent::{Agent, agent_bin, wait_until},
+    bpffs::Bpffs,
+    is_root,
+    manifests::echo_service,
+    netns::Netns,
+};
+
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+
+/// Every interface of the namespace, by name.
+fn interfaces(ns: &Netns) -> Result<Vec<String>> {
+    let out = ns.ip(&["-o", "link", "show"])?;
+    Ok(out
+        .lines()
+        .filter_map(|l| l.split(": ").nth(1))
+        .map(|name| name.split('@').next().unwrap().to_string())
+        .collect())
+}
+
+/// IDs of the TCX ingress programs on `ifname`.
+fn tcx_programs(ns: &Netns, ifname: &str) -> Result<Vec<u32>> {
+    let name = CString::new(ifname)?;
+    ns.run(move || -> Result<Vec<u32>> {
+        let (_, progs) = SchedClassifier::query_tcx(name.as_c_str(), TcAttachType::Ingress)?;
+        Ok(progs.iter().map(|p| p.id()).collect())
+    })?
+    .with_context(|| format!("query TCX on {ifname}"))
+}
+
+fn qdiscs(ns: &Netns, ifname: &str) -> Result<String> {
+    let out = ns.command("tc").args(["qdisc", "show", "dev", ifname]).output()?;
+    anyhow::ensure!(out.status.success(), "tc qdisc show dev {ifname}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+fn cleanup(root: &Path) -> Result<String> {
+    let out = std::process::Command::new(agent_bin()).args(["cleanup", "--bpffs-root"]).arg(root).output()?;
+    anyhow::ensure!(out.status.success(), "cleanup: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+#[test]
+fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
+    assert!(is_root(), "needs root (network namespaces and BPF)");
+    let mut node = proxy_tests::topology::Node::new("clean")?;
+    let pods: Vec<_> = (0..3u8).map(|i| node.add_pod(&format!("p{i}"), Ipv4Addr::new(10, 244, 0, 10 + i))).collect::<Result<_>>()?;
+    // Someone else's: a clsact qdisc on one veth and a directory on the bpffs.
+    node.ns.command("tc").args(["qdisc", "add", "dev", &pods[0].host_if, "clsact"]).status()?;
+    let foreign_qdisc = qdiscs(&node.ns, &pods[0].host_if)?;
+    assert!(foreign_qdisc.contains("clsact"), "{foreign_qdisc}");
+    let bpffs = Bpffs::new("clean")?;
+    let other = bpffs.path().join("other-tool");
+    std::fs::create_dir(&other)?;
+
+    let root = bpffs.path().join("agent");
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("echo.yaml"), echo_service("demo", "echo", CLUSTER_IP, &[pods[1].ip, pods[2].ip]))?;
+    let mut agent = Agent::start(&node.ns, dir.path(), &root, &[])?;
+    agent.wait_healthy(&node.ns, Duration::from_secs(10))?;
+
+    // What the agent installed: a program on every veth, its pinned maps.
+    let mut programs = BTreeSet::new();
+    for p in &pods {
+        let ids = tcx_programs(&node.ns, &p.host_if)?;
+        assert_eq!(ids.len(), 1, "one program on {}: {ids:?}", p.host_if);
+        programs.extend(ids);
+    }
+    let maps: BTreeSet<u32> = [MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS]
+        .iter()
+        .map(|m| Ok(MapData::from_pin(root.join(m))?.info()?.id()))
+        .collect::<Result<_>>()?;
+    agent.stop()?;
+
+    let said = cleanup(&root)?;
+    assert!(said.contains(&format!("under {}", root.display())) && said.contains("detached from"), "{said}");
+
+    assert!(!root.exists(), "{} still exists", root.display());
+    let all = interfaces(&node.ns)?;
+    assert!(all.len() > pods.len() && all.contains(&"lo".to_string()), "interfaces: {all:?}");
+    for ifname in all {
+        assert_eq!(tcx_programs(&node.ns, &ifname)?, Vec::<u32>::new(), "TCX programs left on {ifname}");
+        let q = qdiscs(&node.ns, &ifname)?;
+        if ifname == pods[0].host_if {
+            assert_eq!(q, foreign_qdisc, "someone else's clsact qdisc on {ifname} was touched");
+        } else {
+            assert!(!q.contains("clsact") && !q.contains("ingress"), "a qdisc on {ifname}: {q}");
+        }
+    }
+    assert!(other.is_dir(), "someone else's {} was removed", other.display());
+    // With the pins gone nothing holds our programs and maps: the kernel frees them.
+    wait_until("our programs and maps freed by the kernel", Duration::from_secs(10), || {
+        let progs_left = loaded_programs().filter_map(Result::ok).any(|p| programs.contains(&p.id()));
+        let maps_left = loaded_maps().filter_map(Result::ok).any(|m| maps.contains(&m.id()));
+        Ok(!progs_left && !maps_left)
+    })?;
+
+    // Again: nothing to do, and it says so.
+    let said = cleanup(&root)?;
+    assert_eq!(said.trim(), format!("nothing to clean: {} does not exist", root.display()));
+    Ok(())
+}
