@@ -1,6 +1,8 @@
-//! `ebpf-proxy cleanup`: unpins the agent's TC links and its maps, waits until
-//! the kernel has really detached each program, then removes the directory if
-//! it is left empty. Nothing the agent did not create is touched.
+//! `ebpf-proxy cleanup`: unpins the agent's program links and its maps,
+//! waits until the kernel has really let go of each link, then removes the
+//! directory if it is left empty. Nothing the agent did not create is
+//! touched: only pins in `<root>/links` (a directory only the agent writes)
+//! and the maps the agent pins by name; anything else is reported and left.
 //!
 //! The wait matters: bpffs drops an unpinned link only after an RCU grace
 //! period and a deferred work item, so right after the unlink the program can
@@ -8,21 +10,29 @@
 //! kube-proxy must not race our program.
 
 use std::{
-    path::Path,
+    collections::BTreeSet,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, bail};
-use aya::programs::{SchedClassifier, TcAttachType, links::{FdLink, PinnedLink}};
+use aya::programs::{
+    SchedClassifier, TcAttachType,
+    links::{FdLink, PinnedLink},
+    loaded_links,
+};
 
 use crate::maps::{PINNED_MAPS, links_dir};
 
 const DETACH_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A link we unpinned: the program it held on an interface's ingress hook.
+/// A link we unpinned.
 struct Unpinned {
-    ifindex: u32,
+    path: PathBuf,
+    link_id: u32,
     program_id: u32,
+    /// For TC links, the hook they hold the program on (from the pin's name).
+    tc_hook: Option<(u32, TcAttachType)>,
 }
 
 pub fn cleanup(root: &Path) -> Result<()> {
@@ -35,14 +45,14 @@ pub fn cleanup(root: &Path) -> Result<()> {
     let links = links_dir(root);
     if let Ok(entries) = std::fs::read_dir(&links) {
         for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let Some(ifindex) = name.strip_prefix("ingress-").and_then(|i| i.parse::<u32>().ok()) else { continue };
+            let path = e.path();
             // A pin that is not a link (or is unreadable) is still ours to remove.
-            let program_id = PinnedLink::from_pin(e.path()).ok().and_then(|p| FdLink::from(p).info().ok()).map(|i| i.program_id());
-            std::fs::remove_file(e.path()).with_context(|| format!("unpin {}", e.path().display()))?;
+            let info = PinnedLink::from_pin(&path).ok().and_then(|p| FdLink::from(p).info().ok());
+            std::fs::remove_file(&path).with_context(|| format!("unpin {}", path.display()))?;
             removed += 1;
-            if let Some(program_id) = program_id {
-                unpinned.push(Unpinned { ifindex, program_id });
+            if let Some(info) = info {
+                let tc_hook = tc_hook(&e.file_name().to_string_lossy());
+                unpinned.push(Unpinned { path, link_id: info.id(), program_id: info.program_id(), tc_hook });
             }
         }
         let _ = std::fs::remove_dir(&links);
@@ -54,26 +64,48 @@ pub fn cleanup(root: &Path) -> Result<()> {
             removed += 1;
         }
     }
-    let _ = std::fs::remove_dir(root);
-    println!("removed {removed} pinned objects under {}", root.display());
-    wait_detached(&unpinned)
+    if std::fs::remove_dir(root).is_err() {
+        let mut left: Vec<String> =
+            std::fs::read_dir(root).into_iter().flatten().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        left.sort();
+        println!("left in place under {} (not pinned by ebpf-proxy): {}", root.display(), left.join(", "));
+    }
+    if removed == 0 {
+        println!("nothing of ours under {}", root.display());
+    } else {
+        println!("removed {removed} pinned objects under {}", root.display());
+    }
+    wait_released(&unpinned)
 }
 
-/// Polls each hook until the kernel has released our program from it (or
-/// the interface is gone). A running agent still holds its links, so that
-/// is the usual reason this times out.
-fn wait_detached(unpinned: &[Unpinned]) -> Result<()> {
+/// `ingress-<ifindex>` / `egress-<ifindex>`: the agent's names for TC link pins.
+fn tc_hook(name: &str) -> Option<(u32, TcAttachType)> {
+    let (direction, ifindex) = name.split_once('-')?;
+    let attach = match direction {
+        "ingress" => TcAttachType::Ingress,
+        "egress" => TcAttachType::Egress,
+        _ => return None,
+    };
+    Some((ifindex.parse().ok()?, attach))
+}
+
+/// Polls until the kernel has released every unpinned link and, for TC
+/// links, taken our program off the hook. A running agent still holds its
+/// links, so that is the usual reason this times out.
+fn wait_released(unpinned: &[Unpinned]) -> Result<()> {
     let deadline = Instant::now() + DETACH_TIMEOUT;
     loop {
-        let still: Vec<&Unpinned> = unpinned.iter().filter(|u| still_attached(u)).collect();
+        let live: BTreeSet<u32> = loaded_links().filter_map(Result::ok).map(|l| l.id()).collect();
+        let still: Vec<&Unpinned> = unpinned.iter().filter(|u| live.contains(&u.link_id) || on_hook(u)).collect();
         if still.is_empty() {
-            println!("detached from {} interfaces", unpinned.len());
+            println!("released {} program links", unpinned.len());
             return Ok(());
         }
         if Instant::now() >= deadline {
-            let list: Vec<String> = still.iter().map(|u| format!("ifindex {} (program {})", u.ifindex, u.program_id)).collect();
+            let list: Vec<String> =
+                still.iter().map(|u| format!("{} (link {}, program {})", u.path.display(), u.link_id, u.program_id)).collect();
             bail!(
-                "the kernel still runs our program on {} after {DETACH_TIMEOUT:?}; is an agent still running with this --bpffs-root?",
+                "pins removed, but the kernel still holds {} after {DETACH_TIMEOUT:?}: is an agent still running with this --bpffs-root? Our programs stay attached until it exits",
                 list.join(", ")
             );
         }
@@ -81,9 +113,23 @@ fn wait_detached(unpinned: &[Unpinned]) -> Result<()> {
     }
 }
 
-fn still_attached(u: &Unpinned) -> bool {
+fn on_hook(u: &Unpinned) -> bool {
+    let Some((ifindex, attach)) = u.tc_hook else { return false };
     // An error here means the interface is gone, which detaches everything.
-    SchedClassifier::query_tcx(u.ifindex, TcAttachType::Ingress)
+    SchedClassifier::query_tcx(ifindex, attach)
         .map(|(_, progs)| progs.iter().any(|p| p.id() == u.program_id))
         .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tc_pin_names() {
+        assert!(matches!(tc_hook("ingress-7"), Some((7, TcAttachType::Ingress))));
+        assert!(matches!(tc_hook("egress-12"), Some((12, TcAttachType::Egress))));
+        assert!(tc_hook("xdp-3").is_none());
+        assert!(tc_hook("ingress-x").is_none());
+    }
 }

@@ -1,8 +1,8 @@
 //! `ebpf-proxy cleanup` after an agent attached to several veths: no TCX
 //! program of ours on any interface, no qdisc of ours, no pinned path, our
 //! programs and maps gone from the kernel; what others installed (a clsact
-//! qdisc, a sibling directory on the bpffs) stays; a second run is a no-op
-//! that says so.
+//! qdisc, a directory on the bpffs, even inside our root) stays; a second
+//! run is a no-op that says so.
 
 use std::{collections::BTreeSet, ffi::CString, net::Ipv4Addr, path::Path, time::Duration};
 
@@ -11,7 +11,6 @@ use aya::{
     maps::{MapData, loaded_maps},
     programs::{SchedClassifier, TcAttachType, loaded_programs},
 };
-use proxy_common::*;
 use proxy_tests::{
     agent::{Agent, agent_bin, wait_until},
     bpffs::Bpffs,
@@ -19,6 +18,7 @@ use proxy_tests::{
     manifests::echo_service,
     netns::Netns,
 };
+use proxy_user::maps::PINNED_MAPS;
 
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 
@@ -80,14 +80,16 @@ fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
         assert_eq!(ids.len(), 1, "one program on {}: {ids:?}", p.host_if);
         programs.extend(ids);
     }
-    let maps: BTreeSet<u32> = [MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS]
+    let maps: BTreeSet<u32> = PINNED_MAPS
         .iter()
         .map(|m| Ok(MapData::from_pin(root.join(m))?.info()?.id()))
         .collect::<Result<_>>()?;
     agent.stop()?;
 
     let said = cleanup(&root)?;
-    assert!(said.contains(&format!("under {}", root.display())) && said.contains("detached from"), "{said}");
+    let pins = pods.len() + PINNED_MAPS.len();
+    assert!(said.contains(&format!("removed {pins} pinned objects under {}", root.display())), "{said}");
+    assert!(said.contains(&format!("released {} program links", pods.len())), "{said}");
 
     assert!(!root.exists(), "{} still exists", root.display());
     let all = interfaces(&node.ns)?;
@@ -112,5 +114,12 @@ fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
     // Again: nothing to do, and it says so.
     let said = cleanup(&root)?;
     assert_eq!(said.trim(), format!("nothing to clean: {} does not exist", root.display()));
+
+    // Something that is not ours inside the directory stays, and is named.
+    let foreign = root.join("operator-notes");
+    std::fs::create_dir_all(&foreign)?;
+    let said = cleanup(&root)?;
+    assert!(said.contains("nothing of ours") && said.contains("left in place") && said.contains("operator-notes"), "{said}");
+    assert!(foreign.is_dir());
     Ok(())
 }
