@@ -118,7 +118,8 @@ fn container(ds: &DaemonSet) -> Result<&Container> {
 /// The container's command line, parsed by the agent's own CLI.
 fn run_args(c: &Container) -> Result<RunArgs> {
     let argv: Vec<String> = c.command.iter().flatten().chain(c.args.iter().flatten()).cloned().collect();
-    ensure!(argv.first().is_some_and(|p| p.ends_with("/ebpf-proxy")), "the container runs {argv:?}");
+    // Where `cargo xtask image` and the Containerfile put the binary.
+    ensure!(argv.first().map(String::as_str) == Some("/usr/local/bin/ebpf-proxy"), "the container runs {argv:?}");
     match Cli::try_parse_from(&argv).map_err(|e| anyhow::anyhow!("DaemonSet args {argv:?}: {e}"))?.command {
         Command::Run(args) => Ok(args),
         other => bail!("the DaemonSet runs {other:?}, not `run`"),
