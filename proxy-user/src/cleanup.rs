@@ -22,7 +22,10 @@ use aya::programs::{
     loaded_links,
 };
 
-use crate::maps::{PINNED_MAPS, links_dir};
+use crate::{
+    attach::HOOKS,
+    maps::{PINNED_MAPS, links_dir},
+};
 
 const DETACH_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -78,15 +81,12 @@ pub fn cleanup(root: &Path) -> Result<()> {
     wait_released(&unpinned)
 }
 
-/// `ingress-<ifindex>` / `egress-<ifindex>`: the agent's names for TC link pins.
+/// `<hook>-<ifindex>`, the agent's names for TC link pins (attach::HOOKS).
 fn tc_hook(name: &str) -> Option<(u32, TcAttachType)> {
-    let (direction, ifindex) = name.split_once('-')?;
-    let attach = match direction {
-        "ingress" => TcAttachType::Ingress,
-        "egress" => TcAttachType::Egress,
-        _ => return None,
-    };
-    Some((ifindex.parse().ok()?, attach))
+    HOOKS.iter().find_map(|(_, attach_type, hook)| {
+        let ifindex = name.strip_prefix(hook)?.strip_prefix('-')?.parse::<u32>().ok()?;
+        Some((ifindex, *attach_type))
+    })
 }
 
 /// Polls until the kernel has released every unpinned link and, for TC

@@ -2,6 +2,8 @@
 
 use std::{net::SocketAddr, path::PathBuf};
 
+use ipnet::IpNet;
+
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::dump::Output;
@@ -63,4 +65,17 @@ pub struct RunArgs {
     pub bpffs_root: PathBuf,
     #[arg(long, default_value = "0.0.0.0:10256")]
     pub healthz_bind_address: SocketAddr,
+    /// Pod CIDRs: sources inside are in-cluster; others reaching a ClusterIP
+    /// are masqueraded. Default: every source counts as in-cluster.
+    #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR]")]
+    pub cluster_cidr: Vec<IpNet>,
+    /// Service CIDRs: traffic to an address here that no Service owns is dropped.
+    #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR]")]
+    pub service_cidr: Vec<IpNet>,
+    /// NodePorts open only on node addresses inside these CIDRs. Default: every node address.
+    #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR]")]
+    pub node_port_addresses: Vec<IpNet>,
+    /// Masquerade every flow to a ClusterIP, whatever its source.
+    #[arg(long)]
+    pub masquerade_all: bool,
 }
