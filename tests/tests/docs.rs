@@ -54,7 +54,9 @@ fn check(cmd: &clap::Command, path: &str, pages: &BTreeMap<String, String>, prob
                 problems.push(format!("{path}: environment variable {env} ({}) is not documented", arg.get_id()));
             }
         }
-        for value in arg.get_possible_values() {
+        // Switches (--masquerade-all) list true/false; only values one types count.
+        let values = if arg.get_action().takes_values() { arg.get_possible_values() } else { Vec::new() };
+        for value in values {
             if !arg.is_hide_possible_values_set() && !value.is_hide_set() && !section.contains(&format!("`{}`", value.get_name())) {
                 problems.push(format!("{path}: value `{}` of {} is not documented", value.get_name(), arg.get_id()));
             }

@@ -1,6 +1,7 @@
 //! `ebpf-proxy dump` against maps a running agent filled in a netns: service
-//! names, kinds and scopes, backend states (ready, serving, terminating,
-//! local), conntrack rows with age and service after real traffic, as a
+//! names, kinds (ClusterIP, NodePort, ExternalIP), scopes and endpoint
+//! policies, masquerade, REJECT for a service without endpoints, backend
+//! states (ready, serving, terminating, local), conntrack rows with age and service after real traffic, as a
 //! table and as JSON, and the same answers with the agent stopped.
 
 use std::{
@@ -12,7 +13,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_tests::{
-    agent::{Agent, agent_bin},
+    agent::{Agent, agent_bin, wait_until},
     bpffs::Bpffs,
     echo::{EchoServer, tcp_request, udp_request},
     is_root,
@@ -21,7 +22,12 @@ use proxy_tests::{
 use serde_json::{Value, json};
 
 const WEB_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const LOCAL_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
 const DRAINING_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
+const EMPTY_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);
+/// The node's own address (NodePorts open on it) and an externalIP.
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 1);
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 2);
 /// On this node (the agent runs with --node-name node-a): `local`.
 const HERE: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 11);
@@ -29,48 +35,57 @@ const THERE: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 12);
 /// A pod being deleted: terminating, still serving.
 const LEAVING: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 13);
 
-/// demo/web: TCP 80 and UDP 53 on a ready local and a ready remote endpoint.
-/// demo/draining: TCP 80 whose only endpoint is terminating but still serving.
-fn manifests() -> String {
+fn service(name: &str, ip: Ipv4Addr, spec: &str, ports: &str, endpoints: &[String]) -> String {
+    let endpoints: String = endpoints.iter().map(|e| format!("- {e}\n")).collect();
     format!(
         r#"apiVersion: v1
 kind: Service
-metadata: {{name: web, namespace: demo}}
+metadata: {{name: {name}, namespace: demo}}
 spec:
-  clusterIP: {WEB_IP}
-  ports:
-  - {{name: http, port: 80, targetPort: 8080, protocol: TCP}}
-  - {{name: dns, port: 53, targetPort: 5353, protocol: UDP}}
----
+  clusterIP: {ip}
+{spec}  ports:
+{ports}---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
-metadata: {{name: web-1, namespace: demo, labels: {{kubernetes.io/service-name: web}}}}
+metadata: {{name: {name}-1, namespace: demo, labels: {{kubernetes.io/service-name: {name}}}}}
 addressType: IPv4
 ports:
 - {{name: http, port: 8080, protocol: TCP}}
 - {{name: dns, port: 5353, protocol: UDP}}
-endpoints:
-- {{addresses: [{HERE}], conditions: {{ready: true}}, nodeName: node-a}}
-- {{addresses: [{THERE}], conditions: {{ready: true}}, nodeName: node-b}}
----
-apiVersion: v1
-kind: Service
-metadata: {{name: draining, namespace: demo}}
-spec:
-  clusterIP: {DRAINING_IP}
-  ports:
-  - {{name: http, port: 80, targetPort: 8080, protocol: TCP}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: draining-1, namespace: demo, labels: {{kubernetes.io/service-name: draining}}}}
-addressType: IPv4
-ports:
-- {{name: http, port: 8080, protocol: TCP}}
-endpoints:
-- {{addresses: [{LEAVING}], conditions: {{ready: false, serving: true, terminating: true}}, nodeName: node-b}}
-"#
+endpoints:{}
+{endpoints}---
+"#,
+        if endpoints.is_empty() { " []" } else { "" }
     )
+}
+
+/// demo/web: NodePort with an externalIP, TCP 80 and UDP 53, on a ready
+/// local and a ready remote endpoint. demo/local: the same endpoints with
+/// externalTrafficPolicy Local. demo/draining: its only endpoint is
+/// terminating but still serving. demo/empty: no endpoint at all.
+fn manifests() -> String {
+    let ready = |ip: Ipv4Addr, node: &str| format!("{{addresses: [{ip}], conditions: {{ready: true}}, nodeName: {node}}}");
+    let both = [ready(HERE, "node-a"), ready(THERE, "node-b")];
+    let http = "  - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: NODEPORT}\n";
+    [
+        service(
+            "web",
+            WEB_IP,
+            &format!("  type: NodePort\n  externalIPs: [{EXTERNAL_IP}]\n"),
+            &format!("{}  - {{name: dns, port: 53, targetPort: 5353, protocol: UDP}}\n", http.replace("NODEPORT", "30080")),
+            &both,
+        ),
+        service("local", LOCAL_IP, "  type: NodePort\n  externalTrafficPolicy: Local\n", &http.replace("NODEPORT", "30081"), &both),
+        service(
+            "draining",
+            DRAINING_IP,
+            "",
+            "  - {name: http, port: 80, targetPort: 8080, protocol: TCP}\n",
+            &[format!("{{addresses: [{LEAVING}], conditions: {{ready: false, serving: true, terminating: true}}, nodeName: node-b}}")],
+        ),
+        service("empty", EMPTY_IP, "", "  - {name: http, port: 80, targetPort: 8080, protocol: TCP}\n", &[]),
+    ]
+    .concat()
 }
 
 fn dump(args: &[&str], root: &Path) -> Result<Output> {
@@ -88,27 +103,69 @@ fn dump_json(what: &str, root: &Path) -> Result<Value> {
     serde_json::from_str(&text).with_context(|| format!("dump {what} -o json is not JSON:\n{text}"))
 }
 
-fn expected_services() -> Value {
-    let here = |port: u16| json!({"address": format!("{HERE}:{port}"), "state": ["ready", "serving", "local"]});
-    let there = |port: u16| json!({"address": format!("{THERE}:{port}"), "state": ["ready", "serving"]});
-    json!([
-        {"service": "demo/draining:http", "type": "ClusterIP", "frontend": format!("{DRAINING_IP}:80/TCP"), "scope": "internal",
-         "backends": [{"address": format!("{LEAVING}:8080"), "state": ["serving", "terminating"]}]},
-        {"service": "demo/web:dns", "type": "ClusterIP", "frontend": format!("{WEB_IP}:53/UDP"), "scope": "internal",
-         "backends": [here(5353), there(5353)]},
-        {"service": "demo/web:http", "type": "ClusterIP", "frontend": format!("{WEB_IP}:80/TCP"), "scope": "internal",
-         "backends": [here(8080), there(8080)]},
-    ])
+fn backend(ip: Ipv4Addr, port: u16, state: &[&str]) -> Value {
+    json!({"address": format!("{ip}:{port}"), "state": state})
 }
 
-/// Backends in a stable order (the dump orders them by slot).
-fn sorted_backends(mut services: Value) -> Value {
-    for row in services.as_array_mut().into_iter().flatten() {
-        if let Some(list) = row["backends"].as_array_mut() {
-            list.sort_by_key(|b| b["address"].as_str().unwrap_or_default().to_string());
-        }
+/// The rows `dump services -o json` must hold (and no other), keyed by
+/// service, frontend and scope.
+fn expected_services() -> Vec<Value> {
+    let web = |port: u16| vec![backend(HERE, port, &["ready", "serving", "local"]), backend(THERE, port, &["ready", "serving"])];
+    let row = |service: &str, kind: &str, frontend: String, scope: &str, policy: &str, masquerade: bool, backends: Vec<Value>| {
+        json!({"service": service, "type": kind, "frontend": frontend, "scope": scope, "policy": policy,
+               "masquerade": masquerade, "source_ranges": false, "affinity_timeout_seconds": 0,
+               "if_no_backends": "REJECT", "backends": backends})
+    };
+    let mut rows = Vec::new();
+    for scope in ["internal", "external"] {
+        // Sources outside --cluster-cidr reaching a ClusterIP are masqueraded.
+        let outside = scope == "external";
+        rows.push(row("demo/web:http", "ClusterIP", format!("{WEB_IP}:80/TCP"), scope, "Cluster", outside, web(8080)));
+        rows.push(row("demo/web:dns", "ClusterIP", format!("{WEB_IP}:53/UDP"), scope, "Cluster", outside, web(5353)));
+        // externalTrafficPolicy Cluster masquerades every source.
+        rows.push(row("demo/web:http", "NodePort", format!("{NODE_IP}:30080/TCP"), scope, "Cluster", true, web(8080)));
+        rows.push(row("demo/web:http", "ExternalIP", format!("{EXTERNAL_IP}:80/TCP"), scope, "Cluster", true, web(8080)));
+        rows.push(row("demo/web:dns", "ExternalIP", format!("{EXTERNAL_IP}:53/UDP"), scope, "Cluster", true, web(5353)));
+        rows.push(row("demo/local:http", "ClusterIP", format!("{LOCAL_IP}:80/TCP"), scope, "Cluster", outside, web(8080)));
+        rows.push(row("demo/draining:http", "ClusterIP", format!("{DRAINING_IP}:80/TCP"), scope, "Cluster", outside,
+            vec![backend(LEAVING, 8080, &["serving", "terminating"])]));
+        rows.push(row("demo/empty:http", "ClusterIP", format!("{EMPTY_IP}:80/TCP"), scope, "Cluster", outside, vec![]));
     }
-    services
+    // externalTrafficPolicy Local: external clients keep their address and
+    // reach only this node's endpoint; pods get the cluster-wide set.
+    rows.push(row("demo/local:http", "NodePort", format!("{NODE_IP}:30081/TCP"), "external", "Local", false,
+        vec![backend(HERE, 8080, &["ready", "serving", "local"])]));
+    rows.push(row("demo/local:http", "NodePort", format!("{NODE_IP}:30081/TCP"), "internal", "Cluster", false, web(8080)));
+    rows
+}
+
+fn row_key(r: &Value) -> String {
+    format!("{} {} {}", r["service"], r["frontend"], r["scope"])
+}
+
+/// Rows by key, backends in a stable order (the dump orders them by slot).
+fn by_key(rows: &Value) -> std::collections::BTreeMap<String, Value> {
+    rows.as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| {
+            let mut r = r.clone();
+            if let Some(list) = r["backends"].as_array_mut() {
+                list.sort_by_key(|b| b["address"].as_str().unwrap_or_default().to_string());
+            }
+            (row_key(&r), r)
+        })
+        .collect()
+}
+
+fn assert_services(dumped: &Value, when: &str) {
+    let got = by_key(dumped);
+    let want = by_key(&Value::Array(expected_services()));
+    for (key, row) in &want {
+        assert_eq!(got.get(key), Some(row), "{when}: row {key}");
+    }
+    let extra: Vec<&String> = got.keys().filter(|k| !want.contains_key(*k)).collect();
+    assert!(extra.is_empty(), "{when}: unexpected rows {extra:?}");
 }
 
 #[test]
@@ -123,26 +180,43 @@ fn dump_shows_names_states_and_flows_with_the_agent_running_and_stopped() -> Res
         servers.push(EchoServer::start(&pod.ns, &pod.name, 8080)?);
         servers.push(EchoServer::start(&pod.ns, &pod.name, 5353)?);
     }
+    // The node's own address, where NodePorts open (a veth: no dummy module here).
+    node.ns.ip(&["link", "add", "ext0", "type", "veth", "peer", "name", "ext1"])?;
+    node.ns.ip(&["addr", "add", &format!("{NODE_IP}/24"), "dev", "ext0"])?;
+    node.ns.ip(&["link", "set", "ext0", "up"])?;
+    node.ns.ip(&["link", "set", "ext1", "up"])?;
     let bpffs = Bpffs::new("dump")?;
     let root = bpffs.path().join("agent");
     let dir = tempfile::tempdir()?;
     std::fs::write(dir.path().join("services.yaml"), manifests())?;
-    let mut agent = Agent::start(&node.ns, dir.path(), &root, &[])?;
+    let mut agent = Agent::start(&node.ns, dir.path(), &root, &["--cluster-cidr", "10.244.0.0/16"])?;
     agent.wait_healthy(&node.ns, Duration::from_secs(10))?;
 
-    // services: names, kinds, scopes and backend states, not IDs.
-    let services = sorted_backends(dump_json("services", &root)?);
-    assert_eq!(services, expected_services(), "dump services -o json");
+    // services: names, kinds, scopes, policies and backend states, not IDs.
+    // NodePort rows appear once the agent has seen the node's address.
+    wait_until("NodePort frontends on the node address", Duration::from_secs(10), || {
+        Ok(dump_ok(&["services"], &root)?.contains(&format!("{NODE_IP}:30080/TCP")))
+    })?;
+    let services = dump_json("services", &root)?;
+    assert_services(&services, "agent running");
     let table = dump_ok(&["services"], &root)?;
     for cell in [
         "SERVICE",
+        "POLICY",
         "demo/web:http",
         "demo/web:dns",
         "demo/draining:http",
         "ClusterIP",
+        "NodePort",
+        "ExternalIP",
         &format!("{WEB_IP}:80/TCP"),
         &format!("{WEB_IP}:53/UDP"),
+        &format!("{NODE_IP}:30081/TCP"),
         "internal",
+        "external",
+        "Local",
+        "masquerade",
+        "(none: REJECT)",
         &format!("{HERE}:8080 (ready,serving,local)"),
         &format!("{THERE}:5353 (ready,serving)"),
         &format!("{LEAVING}:8080 (serving,terminating)"),
@@ -192,7 +266,7 @@ fn dump_shows_names_states_and_flows_with_the_agent_running_and_stopped() -> Res
     // The agent stopped: the pins still answer, with the same content.
     let conntrack_before = rows.len();
     agent.stop()?;
-    assert_eq!(sorted_backends(dump_json("services", &root)?), expected_services(), "services with the agent stopped");
+    assert_services(&dump_json("services", &root)?, "agent stopped");
     assert_eq!(dump_json("backends", &root)?, backends, "backends with the agent stopped");
     let after = dump_json("conntrack", &root)?;
     assert_eq!(after.as_array().map(Vec::len), Some(conntrack_before), "conntrack with the agent stopped");
