@@ -18,7 +18,7 @@ use proxy_tests::{
     manifests::echo_service,
     netns::Netns,
 };
-use proxy_user::maps::PINNED_MAPS;
+use proxy_user::{attach::HOOKS, maps::PINNED_MAPS};
 
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 
@@ -32,12 +32,16 @@ fn interfaces(ns: &Netns) -> Result<Vec<String>> {
         .collect())
 }
 
-/// IDs of the TCX ingress programs on `ifname`.
+/// IDs of the TCX programs on `ifname`, ingress and egress.
 fn tcx_programs(ns: &Netns, ifname: &str) -> Result<Vec<u32>> {
     let name = CString::new(ifname)?;
     ns.run(move || -> Result<Vec<u32>> {
-        let (_, progs) = SchedClassifier::query_tcx(name.as_c_str(), TcAttachType::Ingress)?;
-        Ok(progs.iter().map(|p| p.id()).collect())
+        let mut ids = Vec::new();
+        for hook in [TcAttachType::Ingress, TcAttachType::Egress] {
+            let (_, progs) = SchedClassifier::query_tcx(name.as_c_str(), hook)?;
+            ids.extend(progs.iter().map(|p| p.id()));
+        }
+        Ok(ids)
     })?
     .with_context(|| format!("query TCX on {ifname}"))
 }
@@ -73,13 +77,18 @@ fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
     let mut agent = Agent::start(&node.ns, dir.path(), &root, &[])?;
     agent.wait_healthy(&node.ns, Duration::from_secs(10))?;
 
-    // What the agent installed: a program on every veth, its pinned maps.
+    // What the agent installed: a program on each hook of every veth, its
+    // pinned maps, one pinned link per program attached.
     let mut programs = BTreeSet::new();
+    let mut attached = 0;
     for p in &pods {
         let ids = tcx_programs(&node.ns, &p.host_if)?;
-        assert_eq!(ids.len(), 1, "one program on {}: {ids:?}", p.host_if);
+        assert_eq!(ids.len(), HOOKS.len(), "our programs on {}: {ids:?}", p.host_if);
+        attached += ids.len();
         programs.extend(ids);
     }
+    let link_pins = std::fs::read_dir(root.join("links"))?.count();
+    assert!(link_pins >= attached, "{link_pins} link pins for {attached} attachments");
     let maps: BTreeSet<u32> = PINNED_MAPS
         .iter()
         .map(|m| Ok(MapData::from_pin(root.join(m))?.info()?.id()))
@@ -87,9 +96,9 @@ fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
     agent.stop()?;
 
     let said = cleanup(&root)?;
-    let pins = pods.len() + PINNED_MAPS.len();
+    let pins = link_pins + PINNED_MAPS.len();
     assert!(said.contains(&format!("removed {pins} pinned objects under {}", root.display())), "{said}");
-    assert!(said.contains(&format!("released {} program links", pods.len())), "{said}");
+    assert!(said.contains(&format!("released {link_pins} program links")), "{said}");
 
     assert!(!root.exists(), "{} still exists", root.display());
     let all = interfaces(&node.ns)?;
