@@ -61,6 +61,11 @@ pub struct ConntrackRow {
     pub destination: String,
     /// ORIGINAL: the backend the destination becomes; REPLY: the frontend the source becomes.
     pub translated_to: String,
+    /// The flow leaves with the node's address as source (kube-proxy's masquerade).
+    pub masquerade: bool,
+    /// REPLY of a masqueraded flow: the client the reply is sent back to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client: Option<String>,
     pub service: String,
     pub age_seconds: f64,
     pub idle_seconds: f64,
@@ -187,6 +192,8 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
             source: endpoint(k.src, k.sport),
             destination: endpoint(k.dst, k.dport),
             translated_to: endpoint(v.nat_addr, v.nat_port),
+            masquerade: v.flags & CT_MASQUERADE != 0,
+            client: (v.direction == CT_REPLY && v.flags & CT_MASQUERADE != 0).then(|| endpoint(v.rev_addr, v.rev_port)),
             service: names.get(&v.service_id).map_or_else(|| format!("<id {}>", v.service_id), |n| n.0.clone()),
             age_seconds: (secs(v.created_ns) * 10.0).round() / 10.0,
             idle_seconds: (secs(v.last_seen_ns) * 10.0).round() / 10.0,
@@ -245,15 +252,20 @@ pub fn print(what: crate::cli::DumpWhat, output: Output, root: &Path) -> Result<
             }),
         ),
         (DumpWhat::Conntrack, Output::Table) => table(
-            &["SERVICE", "DIR", "PROTO", "SOURCE", "DESTINATION", "TRANSLATED TO", "AGE", "IDLE"],
+            &["SERVICE", "DIR", "PROTO", "SOURCE", "DESTINATION", "TRANSLATED TO", "MASQ", "AGE", "IDLE"],
             conntrack(&maps)?.into_iter().map(|r| {
+                let translated = match &r.client {
+                    Some(client) => format!("{}\nto client {client}", r.translated_to),
+                    None => r.translated_to,
+                };
                 vec![
                     r.service,
                     r.direction.into(),
                     r.protocol.into(),
                     r.source,
                     r.destination,
-                    r.translated_to,
+                    translated,
+                    if r.masquerade { "yes" } else { "" }.into(),
                     format!("{:.1}s", r.age_seconds),
                     format!("{:.1}s", r.idle_seconds),
                 ]
