@@ -1,4 +1,5 @@
-//! `ebpf-proxy cleanup` after an agent attached to several veths: no TCX
+//! `ebpf-proxy cleanup` refuses while the agent runs; after it stopped
+//! (having attached to several veths): no TCX
 //! program of ours on any interface, no qdisc of ours, no pinned path, our
 //! programs and maps gone from the kernel; what others installed (a clsact
 //! qdisc, a directory on the bpffs, even inside our root) stays; a second
@@ -93,6 +94,15 @@ fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
         .iter()
         .map(|m| Ok(MapData::from_pin(root.join(m))?.info()?.id()))
         .collect::<Result<_>>()?;
+    // While the agent runs it holds its links: cleanup refuses and touches nothing.
+    let out = std::process::Command::new(agent_bin()).args(["cleanup", "--bpffs-root"]).arg(&root).output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "cleanup with the agent running: {err}");
+    assert!(err.contains("ebpf-proxy (pid ") && err.contains("stop the agent first (nothing was removed)"), "{err}");
+    assert_eq!(std::fs::read_dir(root.join("links"))?.count(), link_pins, "pins after the refused cleanup");
+    for p in &pods {
+        assert_eq!(tcx_programs(&node.ns, &p.host_if)?.len(), HOOKS.len(), "programs on {} after the refused cleanup", p.host_if);
+    }
     agent.stop()?;
 
     let said = cleanup(&root)?;
