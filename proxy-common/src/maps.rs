@@ -16,6 +16,7 @@ pub const MAP_CLUSTER_CIDRS: &str = "CLUSTER_CIDRS";
 pub const MAP_SERVICE_CIDRS: &str = "SERVICE_CIDRS";
 pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
 pub const MAP_AFFINITY: &str = "AFFINITY";
+pub const MAP_SOCK_REVNAT: &str = "SOCK_REVNAT";
 
 pub const MAX_FRONTENDS: u32 = 262_144;
 pub const MAX_BACKEND_SLOTS: u32 = 1_048_576;
@@ -27,12 +28,19 @@ pub const MAX_SNAT_ADDRS: u32 = 1024;
 pub const MAX_CIDRS: u32 = 256;
 pub const MAX_SOURCE_RANGES: u32 = 65_536;
 pub const MAX_AFFINITY: u32 = 65_536;
+pub const MAX_SOCK_REVNAT: u32 = 65_536;
 
 /// Set on a packet at ingress when its flow must be masqueraded; the egress
 /// program does the SNAT once routing has chosen the interface, and clears it.
 /// Not kube-proxy's 0x4000, so leftover kube-proxy rules during a migration
 /// cannot masquerade a packet twice.
 pub const MASQUERADE_MARK: u32 = 0x0020_0000;
+/// Set at ingress on a reply whose source must become the service frontend
+/// again; the egress program rewrites it. Done after routing, as netfilter
+/// does (POSTROUTING), because the frontend may be a node address (NodePort,
+/// an ExternalIP on the node) and a packet arriving with a local source
+/// address is dropped by the kernel as martian.
+pub const REVERSE_NAT_MARK: u32 = 0x0040_0000;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
@@ -193,6 +201,19 @@ pub const fn v4_prefix_len(n: u32) -> u32 {
     96 + n
 }
 
+/// A node socket translated at connect()/sendmsg(): which frontend the
+/// backend it talks to stands for (for getpeername()/recvmsg()).
+#[repr(C)]
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, Default)]
+pub struct SockRevKey {
+    pub cookie: u64,
+    pub addr: Addr,
+    /// Network byte order.
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: [u8; 5],
+}
+
 /// sessionAffinity ClientIP: which backend a client of a service stuck to.
 #[repr(C)]
 #[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, Default)]
@@ -240,6 +261,22 @@ impl ServiceName {
     }
 }
 
+/// What `tc_trace` reports (into its own, unpinned `TRACE_REPORT` map).
+#[repr(C)]
+#[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
+pub struct TraceReport {
+    /// Every counter the packet would have moved: bit n = counter n.
+    pub counters: u32,
+    /// The service and backend it reached (0: none).
+    pub service_id: u32,
+    pub backend_id: u32,
+    /// The source scope (SCOPE_*), or TRACE_FROM_CONNTRACK for a tracked flow.
+    pub how: u32,
+}
+
+pub const TRACE_FROM_CONNTRACK: u32 = 0x100;
+pub const MAP_TRACE_REPORT: &str = "TRACE_REPORT";
+
 /// Indexes into the per-CPU `COUNTERS` array.
 #[repr(u32)]
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -274,7 +311,8 @@ pub enum Counter {
     DropNoLocal = 13,
     /// New flow masqueraded (SNAT to a node address at egress).
     Masqueraded = 14,
-    /// No SNAT address or port could be found: sent without masquerade.
+    /// Egress could not rewrite a marked packet's source (no SNAT address or
+    /// port free, or the flow's conntrack entry vanished): sent as it was.
     SnatFailed = 15,
     /// New flow sent to the backend its client sticks to (sessionAffinity).
     AffinityHit = 16,
@@ -302,6 +340,8 @@ mod pod {
     unsafe impl aya::Pod for CtEntry {}
     unsafe impl aya::Pod for ServiceName {}
     unsafe impl aya::Pod for Addr {}
+    unsafe impl aya::Pod for TraceReport {}
+    unsafe impl aya::Pod for SockRevKey {}
     unsafe impl aya::Pod for SnatEntry {}
     unsafe impl aya::Pod for CidrData {}
     unsafe impl aya::Pod for SourceRangeData {}
@@ -329,6 +369,7 @@ mod tests {
         assert_eq!(size_of::<SourceRangeData>(), 20);
         assert_eq!(size_of::<AffinityKey>(), 20);
         assert_eq!(size_of::<AffinityEntry>(), 16);
+        assert_eq!(size_of::<SockRevKey>(), 32);
         assert_eq!(size_of::<ServiceName>(), 8 + SERVICE_NAME_LEN);
     }
 

@@ -56,9 +56,10 @@ pub fn source_allowed(service: &ServiceEntry, src: &Addr) -> bool {
 }
 
 /// The client's sticky backend if it is recent and still exists, else a
-/// random slot of the service's backend set (remembered for affinity).
+/// random slot of the service's backend set (remembered for affinity unless
+/// `remember` is false: a trace must not change state).
 #[inline(always)]
-pub fn choose_backend(service: &ServiceEntry, client: &Addr) -> Option<(u32, Backend, bool)> {
+pub fn choose_backend(service: &ServiceEntry, client: &Addr, remember_choice: bool) -> Option<(u32, Backend, bool)> {
     if service.backend_count == 0 {
         return None;
     }
@@ -69,7 +70,9 @@ pub fn choose_backend(service: &ServiceEntry, client: &Addr) -> Option<(u32, Bac
             let fresh = now.saturating_sub(stuck.last_seen_ns) < service.affinity_timeout_s as u64 * 1_000_000_000;
             if fresh && let Some(backend) = unsafe { BACKENDS.get(&stuck.backend_id) } {
                 let found = (stuck.backend_id, *backend, true);
-                remember(&affinity, found.0, now);
+                if remember_choice {
+                    remember(&affinity, found.0, now);
+                }
                 return Some(found);
             }
         }
@@ -77,7 +80,7 @@ pub fn choose_backend(service: &ServiceEntry, client: &Addr) -> Option<(u32, Bac
     let slot = unsafe { bpf_get_prandom_u32() } % service.backend_count;
     let backend_id = *unsafe { BACKEND_SLOTS.get(&SlotKey { service_id: service.service_id, slot }) }?;
     let backend = *unsafe { BACKENDS.get(&backend_id) }?;
-    if service.affinity_timeout_s != 0 {
+    if service.affinity_timeout_s != 0 && remember_choice {
         remember(&affinity, backend_id, now);
     }
     Some((backend_id, backend, false))

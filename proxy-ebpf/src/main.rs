@@ -20,24 +20,28 @@ mod parse;
 mod reject;
 #[cfg(target_arch = "bpf")]
 mod skb;
+#[cfg(target_arch = "bpf")]
+mod sock;
+#[cfg(target_arch = "bpf")]
+mod trace;
 
 #[cfg(target_arch = "bpf")]
 mod program {
     use aya_ebpf::{
         bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
-        macros::classifier,
-        programs::TcContext,
+        macros::{cgroup_sock_addr, classifier},
+        programs::{SockAddrContext, TcContext},
     };
     use proxy_common::{
-        CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, MASQUERADE_MARK, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
-        SVC_SOURCE_RANGES,
+        CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, MASQUERADE_MARK, REVERSE_NAT_MARK, SVC_DROP_IF_EMPTY,
+        SVC_MASQUERADE, SVC_SOURCE_RANGES,
     };
 
     use crate::{
         conntrack,
         lb::{self, Miss},
         maps::count,
-        masquerade, nat, parse, reject,
+        masquerade, nat, parse, reject, sock, trace,
     };
 
     /// Leaves the packet to whatever runs next (TCX_NEXT / TC_ACT_UNSPEC).
@@ -46,120 +50,173 @@ mod program {
 
     #[classifier]
     pub fn tc_ingress(ctx: TcContext) -> i32 {
-        let pkt = match parse::parse(&ctx) {
+        ingress::<false>(&ctx)
+    }
+
+    /// `ebpf-proxy trace`: the same decisions on a synthetic packet (run with
+    /// BPF_PROG_TEST_RUN), reported instead of counted, and without touching
+    /// conntrack or affinity.
+    #[classifier]
+    pub fn tc_trace(ctx: TcContext) -> i32 {
+        ingress::<true>(&ctx)
+    }
+
+    #[inline(always)]
+    fn ingress<const TRACE: bool>(ctx: &TcContext) -> i32 {
+        let pkt = match parse::parse(ctx) {
             Ok(pkt) => pkt,
             Err(reason) => {
-                count(reason);
+                note::<TRACE>(reason);
                 return NOT_OURS;
             }
         };
 
         // A known flow: one lookup finds its translation in either direction.
         if let Some(ct) = conntrack::lookup(&pkt.tuple) {
+            trace::record::<TRACE>(ct.service_id, ct.backend_id, trace::FROM_CONNTRACK);
             match ct.direction {
                 CT_REPLY => {
-                    conntrack::touch(&pkt.tuple);
+                    if !TRACE {
+                        conntrack::touch(&pkt.tuple);
+                    }
                     let mut done = Ok(());
                     if ct.flags & CT_MASQUERADE != 0 {
                         // Addressed to the SNAT address and port: back to the client.
-                        done = nat::rewrite_dst(&ctx, &pkt, &ct.rev_addr, ct.rev_port);
+                        done = nat::rewrite_dst(ctx, &pkt, &ct.rev_addr, ct.rev_port);
                     }
-                    let done = done.and_then(|()| nat::rewrite_src(&ctx, &pkt, &ct.nat_addr, ct.nat_port));
-                    return verdict(done, Counter::Reply);
+                    // The source becomes the frontend at egress, after routing.
+                    set_mark(ctx, REVERSE_NAT_MARK);
+                    return verdict::<TRACE>(done, Counter::Reply);
                 }
-                CT_ORIGINAL if lb::backend_still_matches(&ct) => {
-                    conntrack::touch(&pkt.tuple);
-                    if ct.flags & CT_MASQUERADE != 0 {
-                        mark_for_masquerade(&ctx);
+                CT_ORIGINAL if lb::backend_still_matches(ct) => {
+                    if !TRACE {
+                        conntrack::touch(&pkt.tuple);
                     }
-                    return verdict(nat::rewrite_dst(&ctx, &pkt, &ct.nat_addr, ct.nat_port), Counter::Established);
+                    if ct.flags & CT_MASQUERADE != 0 {
+                        set_mark(ctx, MASQUERADE_MARK);
+                    }
+                    return verdict::<TRACE>(nat::rewrite_dst(ctx, &pkt, &ct.nat_addr, ct.nat_port), Counter::Established);
                 }
                 // The backend is gone: choose again below, so the flow moves to a
                 // live backend instead of black-holing.
-                _ => count(Counter::Rebalanced),
+                _ => note::<TRACE>(Counter::Rebalanced),
             }
         }
 
-        let service = match lb::lookup_frontend(&pkt.tuple, lb::scope_of(&pkt.tuple.src)) {
+        let scope = lb::scope_of(&pkt.tuple.src);
+        let service = match lb::lookup_frontend(&pkt.tuple, scope) {
             Ok(service) => service,
             Err(Miss::NotOurs) => {
-                count(Counter::Passed);
+                note::<TRACE>(Counter::Passed);
                 return NOT_OURS;
             }
-            Err(Miss::Reject) => return reject_packet(&ctx, &pkt),
+            Err(Miss::Reject) => return reject_packet::<TRACE>(ctx, &pkt),
             Err(Miss::DropUnallocated) => {
-                count(Counter::DropUnallocated);
+                note::<TRACE>(Counter::DropUnallocated);
                 return DROP;
             }
         };
+        trace::record::<TRACE>(service.service_id, 0, scope as u32);
         if service.flags & SVC_SOURCE_RANGES != 0 && !lb::source_allowed(&service, &pkt.tuple.src) {
-            count(Counter::DropSourceRange);
+            note::<TRACE>(Counter::DropSourceRange);
             return DROP;
         }
-        let Some((backend_id, backend, sticky)) = lb::choose_backend(&service, &pkt.tuple.src) else {
+        let Some((backend_id, backend, sticky)) = lb::choose_backend(&service, &pkt.tuple.src, !TRACE) else {
             if service.flags & SVC_DROP_IF_EMPTY != 0 {
-                count(Counter::DropNoLocal);
+                note::<TRACE>(Counter::DropNoLocal);
                 return DROP;
             }
-            count(Counter::NoBackend);
-            return reject_packet(&ctx, &pkt);
+            note::<TRACE>(Counter::NoBackend);
+            return reject_packet::<TRACE>(ctx, &pkt);
         };
         if sticky {
-            count(Counter::AffinityHit);
+            note::<TRACE>(Counter::AffinityHit);
         }
         // Hairpin: a pod reaching itself through its Service must see the
         // node as the source, or its reply would skip the reverse NAT.
         let masquerade = service.flags & SVC_MASQUERADE != 0 || backend.addr == pkt.tuple.src;
-        let ct_flags = if masquerade { CT_MASQUERADE } else { 0 };
-        if conntrack::create(&pkt.tuple, &service, backend_id, &backend, ct_flags).is_err() {
-            count(Counter::CtFull);
+        trace::record::<TRACE>(service.service_id, backend_id, scope as u32);
+        if !TRACE {
+            let ct_flags = if masquerade { CT_MASQUERADE } else { 0 };
+            if conntrack::create(&pkt.tuple, &service, backend_id, &backend, ct_flags).is_err() {
+                count(Counter::CtFull);
+            }
         }
         if masquerade {
-            count(Counter::Masqueraded);
-            mark_for_masquerade(&ctx);
+            note::<TRACE>(Counter::Masqueraded);
+            set_mark(ctx, MASQUERADE_MARK);
         }
-        verdict(nat::rewrite_dst(&ctx, &pkt, &backend.addr, backend.port), Counter::NewFlow)
+        verdict::<TRACE>(nat::rewrite_dst(ctx, &pkt, &backend.addr, backend.port), Counter::NewFlow)
     }
 
-    /// SNAT for the flows ingress marked, now that routing chose the interface.
+    /// Counts, or in a trace notes the counter in the result.
+    #[inline(always)]
+    fn note<const TRACE: bool>(counter: Counter) {
+        if TRACE { trace::note(counter) } else { count(counter) }
+    }
+
+    /// The source rewrites ingress marked, now that routing chose the
+    /// interface: SNAT of masqueraded flows, and replies' frontend address.
     #[classifier]
     pub fn tc_egress(ctx: TcContext) -> i32 {
         let mark = crate::skb::mark(&ctx);
-        if mark & MASQUERADE_MARK == 0 {
+        if mark & (MASQUERADE_MARK | REVERSE_NAT_MARK) == 0 {
             return NOT_OURS;
         }
-        ctx.set_mark(mark & !MASQUERADE_MARK);
+        ctx.set_mark(mark & !(MASQUERADE_MARK | REVERSE_NAT_MARK));
         let Ok(pkt) = parse::parse(&ctx) else { return NOT_OURS };
-        match masquerade::source_for(&ctx, &pkt) {
-            Some((addr, port)) => match nat::rewrite_src(&ctx, &pkt, &addr, port) {
-                Ok(()) => TC_ACT_OK as i32,
-                Err(_) => {
-                    count(Counter::RewriteFailed);
-                    DROP
-                }
-            },
-            None => {
-                count(Counter::SnatFailed);
-                NOT_OURS
+        let source = if mark & MASQUERADE_MARK != 0 {
+            masquerade::source_for(&ctx, &pkt)
+        } else {
+            conntrack::lookup(&pkt.tuple).filter(|e| e.direction == CT_REPLY).map(|e| (e.nat_addr, e.nat_port))
+        };
+        let Some((addr, port)) = source else {
+            count(Counter::SnatFailed);
+            return NOT_OURS;
+        };
+        match nat::rewrite_src(&ctx, &pkt, &addr, port) {
+            Ok(()) => TC_ACT_OK as i32,
+            Err(_) => {
+                count(Counter::RewriteFailed);
+                DROP
             }
         }
     }
 
-    #[inline(always)]
-    fn mark_for_masquerade(ctx: &TcContext) {
-        let mark = crate::skb::mark(ctx);
-        ctx.set_mark(mark | MASQUERADE_MARK);
+    #[cgroup_sock_addr(connect4)]
+    pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
+        sock::translate(&ctx)
+    }
+
+    #[cgroup_sock_addr(sendmsg4)]
+    pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
+        sock::translate(&ctx)
+    }
+
+    #[cgroup_sock_addr(recvmsg4)]
+    pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
+        sock::reverse(&ctx)
+    }
+
+    #[cgroup_sock_addr(getpeername4)]
+    pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
+        sock::reverse(&ctx)
     }
 
     #[inline(always)]
-    fn reject_packet(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
+    fn set_mark(ctx: &TcContext, bits: u32) {
+        ctx.set_mark(crate::skb::mark(ctx) | bits);
+    }
+
+    #[inline(always)]
+    fn reject_packet<const TRACE: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
         match reject::reject(ctx, pkt) {
             Ok(redirect) => {
-                count(Counter::Rejected);
+                note::<TRACE>(Counter::Rejected);
                 redirect
             }
             Err(_) => {
-                count(Counter::RejectFailed);
+                note::<TRACE>(Counter::RejectFailed);
                 DROP
             }
         }
@@ -168,14 +225,14 @@ mod program {
     /// A failed rewrite may have left the packet half-changed: drop it rather
     /// than send it on with a wrong address or checksum.
     #[inline(always)]
-    fn verdict(rewrite: Result<(), i64>, counter: Counter) -> i32 {
+    fn verdict<const TRACE: bool>(rewrite: Result<(), i64>, counter: Counter) -> i32 {
         match rewrite {
             Ok(()) => {
-                count(counter);
+                note::<TRACE>(counter);
                 TC_ACT_OK as i32
             }
             Err(_) => {
-                count(Counter::RewriteFailed);
+                note::<TRACE>(Counter::RewriteFailed);
                 TC_ACT_SHOT as i32
             }
         }

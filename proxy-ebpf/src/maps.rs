@@ -4,7 +4,7 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::*;
 
@@ -50,6 +50,14 @@ pub static AFFINITY: LruHashMap<AffinityKey, AffinityEntry> = LruHashMap::pinned
 /// Room to build a REJECT's ICMP packet off the stack; not pinned, per CPU.
 #[map]
 pub static SCRATCH: PerCpuArray<[u8; crate::reject::OUT_LEN]> = PerCpuArray::with_max_entries(1, 0);
+
+/// Node sockets translated at connect()/sendmsg() -> the frontend dialled.
+#[map]
+pub static SOCK_REVNAT: LruHashMap<SockRevKey, FrontendKey> = LruHashMap::pinned(MAX_SOCK_REVNAT, 0);
+
+/// `tc_trace`'s report; not pinned: each `ebpf-proxy trace` has its own.
+#[map]
+pub static TRACE_REPORT: Array<TraceReport> = Array::with_max_entries(1, 0);
 
 /// Names for `dump`; the programs never read it.
 #[map]

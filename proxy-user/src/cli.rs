@@ -29,6 +29,20 @@ pub enum Command {
         #[arg(long, default_value = DEFAULT_BPFFS_ROOT)]
         bpffs_root: PathBuf,
     },
+    /// What the dataplane would do with one packet: runs the real program on a
+    /// synthetic packet against the live maps, without changing conntrack.
+    Trace {
+        /// Client address, IP or IP:PORT (port default 40000).
+        #[arg(long, value_name = "IP[:PORT]")]
+        from: crate::trace::Source,
+        /// Destination, e.g. 10.96.0.10:80/TCP.
+        #[arg(long, value_name = "IP:PORT/PROTO")]
+        to: crate::trace::Destination,
+        #[arg(short = 'o', long, value_enum, default_value = "table")]
+        output: Output,
+        #[arg(long, default_value = DEFAULT_BPFFS_ROOT)]
+        bpffs_root: PathBuf,
+    },
     /// Remove every program link and pinned map the agent installed, and nothing else.
     Cleanup {
         #[arg(long, default_value = DEFAULT_BPFFS_ROOT)]
@@ -75,6 +89,10 @@ pub struct RunArgs {
     /// NodePorts open only on node addresses inside these CIDRs. Default: every node address.
     #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR]")]
     pub node_port_addresses: Vec<IpNet>,
+    /// cgroup v2 directory whose processes get services at the socket (the
+    /// node's own traffic). Default: the cgroup v2 root.
+    #[arg(long, value_name = "DIR")]
+    pub cgroup_root: Option<PathBuf>,
     /// Masquerade every flow to a ClusterIP, whatever its source.
     #[arg(long)]
     pub masquerade_all: bool,

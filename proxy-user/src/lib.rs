@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod attach;
+pub mod cgroup;
 pub mod cleanup;
 pub mod cli;
 pub mod dump;
@@ -13,3 +14,4 @@ pub mod node_addrs;
 pub mod rbac;
 pub mod reconciler;
 pub mod source;
+pub mod trace;

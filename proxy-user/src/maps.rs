@@ -20,13 +20,15 @@ pub static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR
 /// The TC programs' names in the object.
 pub const TC_INGRESS: &str = "tc_ingress";
 pub const TC_EGRESS: &str = "tc_egress";
+/// The ingress logic in report mode, for `ebpf-proxy trace`; never attached.
+pub const TC_TRACE: &str = "tc_trace";
 
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 /// Every map the agent pins, by name.
-pub const PINNED_MAPS: [&str; 12] = [
+pub const PINNED_MAPS: [&str; 13] = [
     MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS, MAP_SNAT,
-    MAP_SNAT_ADDRS, MAP_CLUSTER_CIDRS, MAP_SERVICE_CIDRS, MAP_SOURCE_RANGES, MAP_AFFINITY,
+    MAP_SNAT_ADDRS, MAP_CLUSTER_CIDRS, MAP_SERVICE_CIDRS, MAP_SOURCE_RANGES, MAP_AFFINITY, MAP_SOCK_REVNAT,
 ];
 
 pub struct Maps {

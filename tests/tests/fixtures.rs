@@ -113,10 +113,10 @@ impl Case {
         self
     }
 
-    /// A REJECT: the frame comes back as ICMP port unreachable from the
-    /// address the client dialled.
+    /// A REJECT: the frame comes back from the address the client dialled,
+    /// as a TCP RST for TCP, ICMP port unreachable otherwise.
     fn rejected(what: &str, input: Vec<u8>) -> Self {
-        let want = icmp_port_unreachable(&input);
+        let want = reject_of(&input);
         Case::new(what, input, TC_ACT_REDIRECT, Expect::Translated(want), &[Counter::Rejected])
     }
 
@@ -157,24 +157,45 @@ fn translation_cases() -> Vec<Case> {
             tcp_data(client, backend_http, data),
             Counter::Established,
         ),
-        Case::translated(
-            "TCP reply 10.244.0.11:8080 -> 10.244.0.2:40000 comes from 10.96.0.10:80",
+        Case::new(
+            "TCP reply 10.244.0.11:8080 -> 10.244.0.2:40000: recognised at ingress, marked for egress",
             tcp_data(backend_http, client, b"HTTP/1.1 200 OK\r\n\r\n"),
-            tcp_data(vip_http, client, b"HTTP/1.1 200 OK\r\n\r\n"),
-            Counter::Reply,
-        ),
+            TC_ACT_OK,
+            Expect::Unchanged,
+            &[Counter::Reply],
+        )
+        .leaves_mark(REVERSE_NAT_MARK),
+        Case::new(
+            "egress: the marked reply comes from 10.96.0.10:80",
+            tcp_data(backend_http, client, b"HTTP/1.1 200 OK\r\n\r\n"),
+            TC_ACT_OK,
+            Expect::Translated(tcp_data(vip_http, client, b"HTTP/1.1 200 OK\r\n\r\n")),
+            &[],
+        )
+        .at_egress(REVERSE_NAT_MARK)
+        .leaves_mark(0),
         Case::translated(
             "UDP 10.244.0.2:40001 -> 10.96.0.10:53 goes to 10.244.0.11:5353",
             udp((CLIENT, 40001), (VIP, 53), udp_payload),
             udp((CLIENT, 40001), (BACKEND, 5353), udp_payload),
             Counter::NewFlow,
         ),
-        Case::translated(
-            "UDP reply 10.244.0.11:5353 -> 10.244.0.2:40001 comes from 10.96.0.10:53",
+        Case::new(
+            "UDP reply 10.244.0.11:5353 -> 10.244.0.2:40001: marked for egress",
             udp((BACKEND, 5353), (CLIENT, 40001), udp_payload),
-            udp((VIP, 53), (CLIENT, 40001), udp_payload),
-            Counter::Reply,
-        ),
+            TC_ACT_OK,
+            Expect::Unchanged,
+            &[Counter::Reply],
+        )
+        .leaves_mark(REVERSE_NAT_MARK),
+        Case::new(
+            "egress: the marked UDP reply comes from 10.96.0.10:53",
+            udp((BACKEND, 5353), (CLIENT, 40001), udp_payload),
+            TC_ACT_OK,
+            Expect::Translated(udp((VIP, 53), (CLIENT, 40001), udp_payload)),
+            &[],
+        )
+        .at_egress(REVERSE_NAT_MARK),
         Case::translated(
             "UDP without checksum (0) -> 10.96.0.10:53: rewritten, checksum stays 0",
             without_udp_checksum(udp((CLIENT, 40002), (VIP, 53), udp_payload)),
@@ -199,10 +220,10 @@ fn translation_cases() -> Vec<Case> {
             Counter::Passed,
         ),
         Case::new(
-            "TCP SYN -> 10.96.0.20:80, a service with no backend: rejected (ICMP port unreachable)",
+            "TCP SYN -> 10.96.0.20:80, a service with no backend: rejected (RST)",
             tcp_syn(client, (VIP_EMPTY, 80)),
             TC_ACT_REDIRECT,
-            Expect::Translated(icmp_port_unreachable(&tcp_syn(client, (VIP_EMPTY, 80)))),
+            Expect::Translated(reject_of(&tcp_syn(client, (VIP_EMPTY, 80)))),
             &[Counter::NoBackend, Counter::Rejected],
         ),
     ]
@@ -252,12 +273,22 @@ fn verdict_cases() -> Vec<Case> {
         .at_egress(MASQUERADE_MARK)
         .leaves_mark(0)
         .then(masqueraded_reply_is_tracked),
-        Case::translated(
-            "reply 10.244.0.11:8080 -> 192.168.0.2:40000 goes back to 203.0.113.2:40000 from 10.96.0.10:80",
+        Case::new(
+            "reply 10.244.0.11:8080 -> 192.168.0.2:40000: at ingress, back to 203.0.113.2:40000",
             tcp_data((BACKEND, 8080), (NODE_IP, 40000), b"ok"),
-            tcp_data((VIP, 80), ext, b"ok"),
-            Counter::Reply,
-        ),
+            TC_ACT_OK,
+            Expect::Translated(tcp_data((BACKEND, 8080), ext, b"ok")),
+            &[Counter::Reply],
+        )
+        .leaves_mark(REVERSE_NAT_MARK),
+        Case::new(
+            "egress: ... and from 10.96.0.10:80",
+            tcp_data((BACKEND, 8080), ext, b"ok"),
+            TC_ACT_OK,
+            Expect::Translated(tcp_data((VIP, 80), ext, b"ok")),
+            &[],
+        )
+        .at_egress(REVERSE_NAT_MARK),
         Case::new(
             "egress: the same flow's next packet reuses its SNAT entry",
             tcp_data(ext, (BACKEND, 8080), b"more"),
@@ -776,8 +807,29 @@ fn udp(src: Endpoint, dst: Endpoint, payload: &[u8]) -> Vec<u8> {
     })
 }
 
-/// What kube-proxy's REJECT sends: ICMP port unreachable from the dialled
-/// address to the sender, quoting the IPv4 header and 8 bytes after it.
+/// The REJECT of a frame: a RST (seq 0, acknowledging the SYN) for TCP,
+/// else ICMP port unreachable; from the dialled address, without DF.
+fn reject_of(frame: &[u8]) -> Vec<u8> {
+    let h = PacketHeaders::from_ethernet_slice(frame).unwrap();
+    let Some(TransportHeader::Tcp(syn)) = h.transport else { return icmp_port_unreachable(frame) };
+    let Some(NetHeaders::Ipv4(ip, _)) = h.net else { panic!("IPv4 only") };
+    let mut rst = TcpHeader::new(syn.destination_port, syn.source_port, 0, 0);
+    rst.rst = true;
+    rst.ack = true;
+    rst.acknowledgment_number = syn.sequence_number.wrapping_add(1);
+    let mut out = build(|v| {
+        PacketBuilder::ethernet2(MAC_DST, MAC_SRC)
+            .ipv4(ip.destination, ip.source, 64)
+            .tcp_header(rst)
+            .write(v, &[])
+            .unwrap()
+    });
+    with_ip_header_fixed(&mut out, |h| h.dont_fragment = false);
+    out
+}
+
+/// ICMP port unreachable from the dialled address to the sender, quoting
+/// the IPv4 header and 8 bytes after it.
 fn icmp_port_unreachable(frame: &[u8]) -> Vec<u8> {
     let ip = &frame[ETH_HLEN..];
     let (src, dst) = (<[u8; 4]>::try_from(&ip[12..16]).unwrap(), <[u8; 4]>::try_from(&ip[16..20]).unwrap());
