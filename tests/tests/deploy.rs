@@ -3,7 +3,8 @@
 //! exactly the API calls the agent makes (proxy_user::rbac::API_ACCESS), the
 //! DaemonSet's command line parses with the real CLI and its probes, mounts
 //! and ServiceAccount line up with it, and the capabilities it grants are
-//! enough to run the agent and none of them can be left out.
+//! enough to run the agent (TC programs and socket hooks) and none of them
+//! can be left out.
 
 use std::{
     collections::BTreeSet,
@@ -25,6 +26,7 @@ use k8s_openapi::{
 use proxy_tests::{
     agent::{Agent, tc_attached},
     bpffs::Bpffs,
+    cgroup::Cgroup,
     is_root,
     manifests::echo_service,
     topology::Node,
@@ -213,6 +215,12 @@ fn daemon_set_runs_the_real_cli_like_kube_proxy() -> Result<()> {
     assert_eq!(host.path, "/sys/fs/bpf", "pins must land on the host's bpffs to outlive the container");
     assert_ne!(bpffs.read_only, Some(true));
 
+    // The socket hooks go on the host's cgroup v2 hierarchy, not the container's.
+    let cgroup_root = args.cgroup_root.as_ref().context("the DaemonSet must pass --cgroup-root (its own /sys/fs/cgroup is the container's)")?;
+    let cg = mount_of(cgroup_root)?;
+    let host = volumes.iter().find(|v| v.name == cg.name).and_then(|v| v.host_path.as_ref()).context("--cgroup-root is not on a hostPath")?;
+    assert_eq!((host.path.as_str(), cgroup_root.as_path()), ("/sys/fs/cgroup", Path::new(&cg.mount_path)));
+
     let kubeconfig = args.kubeconfig.as_ref().context("the DaemonSet must pass --kubeconfig (the in-cluster address is ours to translate)")?;
     let m = mount_of(kubeconfig)?;
     let cm_name = volumes.iter().find(|v| v.name == m.name).and_then(|v| v.config_map.as_ref()).map(|c| c.name.clone()).context("kubeconfig is not from a ConfigMap")?;
@@ -247,6 +255,7 @@ const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 /// Runs the agent with exactly `caps` (bounding set; root keeps no other
 /// capability) and says whether it got healthy and attached.
 fn agent_works_with(caps: &[String]) -> Result<()> {
+    let cgroup = Cgroup::new("caps")?;
     let mut node = Node::new("caps")?;
     let pod = node.add_pod("p", Ipv4Addr::new(10, 244, 0, 2))?;
     let bpffs = Bpffs::new("caps")?;
@@ -255,9 +264,12 @@ fn agent_works_with(caps: &[String]) -> Result<()> {
     std::fs::write(manifests.path().join("echo.yaml"), echo_service("demo", "echo", CLUSTER_IP, &[pod.ip]))?;
     let set = format!("--bounding-set=-all{}", caps.iter().map(|c| format!(",+{c}")).collect::<String>());
     let wrapper = ["setpriv", set.as_str(), "--inh-caps=-all", "--ambient-caps=-all", "--"];
-    let mut agent = Agent::start_wrapped(&node.ns, &wrapper, manifests.path(), &root, &[])?;
+    let cgroup_root = cgroup.path().to_str().unwrap();
+    let mut agent = Agent::start_wrapped(&node.ns, &wrapper, manifests.path(), &root, &["--cgroup-root", cgroup_root])?;
     agent.wait_healthy(&node.ns, Duration::from_secs(10))?;
     ensure!(tc_attached(&node.ns, &pod.host_if)?, "healthy but not attached:\n{}", agent.logs());
+    let socket_hooks = std::fs::read_dir(root.join("links"))?.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("cgroup-")).count();
+    ensure!(socket_hooks > 0, "healthy but no socket hook on {cgroup_root}:\n{}", agent.logs());
     agent.stop()?;
     proxy_tests::run(proxy_tests::agent::agent_bin().to_str().unwrap(), &["cleanup", "--bpffs-root", root.to_str().unwrap()])?;
     Ok(())

@@ -263,14 +263,9 @@ fn dump_shows_names_states_and_flows_with_the_agent_running_and_stopped() -> Res
     }
 
     // Through the NodePort (externalTrafficPolicy Cluster): masqueraded, and
-    // the reply entry names the client the reply goes back to. The first SYN
-    // creates the entries; whether the handshake completes is the datapath's
-    // business, not dump's. (At this commit it does not from a pod on the
-    // same node: the reverse-translated SYN-ACK arrives with the node's own
-    // address as source, which the kernel drops as martian unless
-    // net.ipv4.conf.*.accept_local=1.)
+    // the reply entry names the client the reply goes back to.
     let nodeport = SocketAddr::from((NODE_IP, 30080));
-    let _ = client.ns.run(move || std::net::TcpStream::connect_timeout(&nodeport, Duration::from_millis(200)))?;
+    tcp_request(&client.ns, nodeport).with_context(|| agent.logs())?;
     let masqueraded = |rows: &Value| {
         rows.as_array()
             .into_iter()
