@@ -29,8 +29,13 @@ pub struct Agent {
 }
 
 impl Agent {
-    /// `ebpf-proxy run --manifests DIR` in `node`, logging to a file.
+    /// `ebpf-proxy run --manifests DIR` in `node` as node `node-a`, logging to a file.
     pub fn start(node: &Netns, manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
+        Self::start_as(node, "node-a", manifests, bpffs_root, extra)
+    }
+
+    /// Like [`Agent::start`], with the node name the agent runs as.
+    pub fn start_as(node: &Netns, node_name: &str, manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
         let healthz: SocketAddr = ([127, 0, 0, 1], 10256).into();
         // Next to the bpffs mount (a bpffs holds no regular files).
         let mount = bpffs_root.parent().unwrap_or(bpffs_root);
@@ -44,7 +49,7 @@ impl Agent {
             .arg("--bpffs-root")
             .arg(bpffs_root)
             .arg("--node-name")
-            .arg("node-a")
+            .arg(node_name)
             .arg("--healthz-bind-address")
             .arg(healthz.to_string())
             .args(extra)

@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod bpffs;
+pub mod conformance;
 pub mod demo;
 pub mod echo;
 pub mod manifests;

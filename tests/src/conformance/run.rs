@@ -1,0 +1,222 @@
+//! Runs the cases of one setup: plans and builds its cluster, starts the
+//! agents with the setup's flags, applies each phase, and judges every case.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use anyhow::Result;
+
+use super::{
+    cluster::{Client, Cluster, EndpointSpec, Plan, TEST_NODE, is_node_local},
+    data::{Case, Expect, Family, Protocol, Setup},
+    probe, verdict,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Pass,
+    Fail,
+    Skip,
+}
+
+#[derive(Debug, Clone)]
+pub struct CaseResult {
+    /// `proxier/Setup[ (after phase)]/case [proto]`: stable, unique.
+    pub id: String,
+    pub status: Status,
+    /// The packet, in kube-proxy's terms.
+    pub packet: String,
+    pub detail: String,
+}
+
+/// Where a case's client sits, by its source address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// A process on the node (a node address, loopback, or an LB IP the
+    /// node's traffic was SNATted to, which needs a free bind).
+    Node { freebind: bool },
+    Pod,
+    External,
+}
+
+fn origin(case: &Case) -> Origin {
+    match case.source_ip {
+        IpAddr::V4(ip) if is_node_local(ip) => Origin::Node { freebind: false },
+        src if src == case.dest_ip => Origin::Node { freebind: true },
+        IpAddr::V4(ip) if ip.octets()[0] == 10 => Origin::Pod,
+        _ => Origin::External,
+    }
+}
+
+pub const SERVICE_CIDR: &str = "172.30.0.0/16";
+pub const CLUSTER_CIDR: &str = "10.0.0.0/8";
+
+/// The agent flags for a setup, in ebpf-proxy's (kube-proxy's) names.
+pub fn agent_flags(setup: &Setup) -> Vec<String> {
+    let mut flags = vec!["--service-cidr".to_string(), SERVICE_CIDR.to_string()];
+    if setup.config.local_detector {
+        flags.extend(["--cluster-cidr".to_string(), CLUSTER_CIDR.to_string()]);
+    }
+    if let Some(cidrs) = &setup.config.node_port_addresses {
+        flags.extend(["--node-port-addresses".to_string(), cidrs.join(",")]);
+    }
+    if setup.config.masquerade_all {
+        flags.push("--masquerade-all".to_string());
+    }
+    flags
+}
+
+/// Every pod, client and host port the setup's phases need.
+pub fn plan(setup: &Setup) -> Plan {
+    let mut plan = Plan::default();
+    for phase in &setup.phases {
+        for obj in &phase.objects {
+            if obj["kind"].as_str() != Some("EndpointSlice") {
+                continue;
+            }
+            let ports: Vec<u16> = obj["ports"]
+                .as_sequence()
+                .into_iter()
+                .flatten()
+                .filter(|p| matches!(p["protocol"].as_str(), None | Some("TCP") | Some("UDP")))
+                .filter_map(|p| p["port"].as_u64().and_then(|n| u16::try_from(n).ok()))
+                .collect();
+            for ep in obj["endpoints"].as_sequence().into_iter().flatten() {
+                let on_test_node = ep["nodeName"].as_str() == Some(TEST_NODE);
+                for addr in ep["addresses"].as_sequence().into_iter().flatten() {
+                    let Some(ip) = addr.as_str().and_then(|s| s.parse::<Ipv4Addr>().ok()) else { continue };
+                    let spec = plan.endpoints.entry(ip).or_insert_with(|| EndpointSpec { on_test_node, ..Default::default() });
+                    spec.ports.extend(&ports);
+                }
+            }
+        }
+    }
+    for phase in &setup.phases {
+        for case in &phase.cases {
+            let (IpAddr::V4(src), IpAddr::V4(dst)) = (case.source_ip, case.dest_ip) else { continue };
+            if case.protocol == Protocol::SCTP {
+                continue;
+            }
+            if is_node_local(dst) {
+                plan.host_ports.insert(case.dest_port);
+            } else if dst.octets()[0] != 10 {
+                plan.upstream_ips.insert(dst);
+                plan.upstream_ports.insert(case.dest_port);
+            }
+            if plan.endpoints.contains_key(&src) {
+                continue;
+            }
+            match origin(case) {
+                Origin::Pod => {
+                    plan.pod_clients.insert(src);
+                }
+                Origin::External => {
+                    plan.external_clients.insert(src);
+                }
+                Origin::Node { .. } => {}
+            }
+        }
+    }
+    plan
+}
+
+fn case_id(kind: &str, setup: &Setup, phase: usize, case: &Case) -> String {
+    let after = if phase == 0 { String::new() } else { format!(" (after {})", setup.phases[phase].name) };
+    format!("{kind}/{}{after}/{} [{}]", setup.name, case.name, case.protocol)
+}
+
+fn packet(case: &Case) -> String {
+    let output = if case.output.is_empty() { "\"\"" } else { &case.output };
+    format!(
+        "{} {} -> {} expect {output}{}",
+        case.protocol,
+        case.source_ip,
+        SocketAddr::new(case.dest_ip, case.dest_port),
+        if case.masq { " masqueraded" } else { "" }
+    )
+}
+
+/// Runs every case of `setup`, calling `report` as each one finishes.
+pub fn run_setup(kind: &str, setup: &Setup, report: &(dyn Fn(&CaseResult) + Sync)) -> Vec<CaseResult> {
+    let mut results = Vec::new();
+    let mut finish = |id: String, case: &Case, status: Status, detail: String| {
+        let r = CaseResult { id, status, packet: packet(case), detail };
+        report(&r);
+        results.push(r);
+    };
+    let all_cases = || setup.phases.iter().enumerate().flat_map(|(i, p)| p.cases.iter().map(move |c| (i, c)));
+
+    if setup.family == Family::IPv6 {
+        for (i, case) in all_cases() {
+            finish(case_id(kind, setup, i, case), case, Status::Skip, "IPv6: the datapath is IPv4-only for now".into());
+        }
+        return results;
+    }
+    let cluster = match build(setup) {
+        Ok(c) => c,
+        Err(e) => {
+            for (i, case) in all_cases() {
+                finish(case_id(kind, setup, i, case), case, Status::Fail, format!("setup failed: {e:#}"));
+            }
+            return results;
+        }
+    };
+    let lacking = if cluster.unsupported_flags.is_empty() {
+        String::new()
+    } else {
+        format!(" [agent lacks {}]", cluster.unsupported_flags.join(" "))
+    };
+
+    for (i, phase) in setup.phases.iter().enumerate() {
+        if i > 0 {
+            if let Err(e) = cluster.apply(&phase.objects) {
+                for case in &phase.cases {
+                    finish(case_id(kind, setup, i, case), case, Status::Fail, format!("applying phase failed: {e:#}"));
+                }
+                continue;
+            }
+        }
+        for case in &phase.cases {
+            let id = case_id(kind, setup, i, case);
+            if case.protocol == Protocol::SCTP {
+                finish(id, case, Status::Skip, "SCTP: this kernel has no SCTP module (covered by crafted packets and the VM test)".into());
+                continue;
+            }
+            let (status, detail) = run_case(&cluster, case);
+            let detail = if status == Status::Fail { format!("{detail}{lacking}") } else { detail };
+            finish(id, case, status, detail);
+        }
+    }
+    if std::env::var_os("CONFORMANCE_AGENT_LOGS").is_some() {
+        eprintln!("{}", cluster.agent_logs());
+    }
+    results
+}
+
+fn build(setup: &Setup) -> Result<Cluster> {
+    let mut cluster = Cluster::build(&plan(setup))?;
+    cluster.apply(&setup.phases[0].objects)?;
+    cluster.start_agents(&agent_flags(setup))?;
+    Ok(cluster)
+}
+
+fn run_case(cluster: &Cluster, case: &Case) -> (Status, String) {
+    let expect: Expect = match case.expect() {
+        Ok(e) => e,
+        Err(e) => return (Status::Fail, format!("bad case: {e:#}")),
+    };
+    let origin = origin(case);
+    let Client::Ns(ns) = cluster.client(case.source_ip, matches!(origin, Origin::Node { .. })) else {
+        return (Status::Fail, format!("harness: no client for source {}", case.source_ip));
+    };
+    let freebind = matches!(origin, Origin::Node { freebind: true });
+    let dest = SocketAddr::new(case.dest_ip, case.dest_port);
+    // A node's own address is what masquerading would produce: not observable.
+    let masq_observable = !matches!(origin, Origin::Node { .. });
+    match verdict::judge(&expect, case, masq_observable, || probe::request(ns, case.protocol, case.source_ip, freebind, dest)) {
+        Ok(seen) => (Status::Pass, seen),
+        Err(why) if matches!(origin, Origin::Node { .. }) => {
+            (Status::Fail, format!("{why} (sent by a process on the node: needs the socket-level hooks)"))
+        }
+        Err(why) => (Status::Fail, why),
+    }
+}
