@@ -9,11 +9,12 @@ use super::{
     probe::Outcome,
 };
 
-/// Requests when several endpoints may answer: with two equally likely
-/// endpoints, 20 tries all landing on one happens 2 in a million times.
-pub const TRIES_MANY: usize = 20;
-/// Requests when one endpoint, REJECT, or a single outcome is expected.
-pub const TRIES_FEW: usize = 3;
+/// Requests when endpoints should answer. Also when one endpoint is
+/// expected: a datapath that wrongly picks among two would hide behind a few
+/// lucky tries; 20 tries all landing on one of two happens 2 in a million.
+pub const TRIES_ENDPOINTS: usize = 20;
+/// Requests when REJECT is expected.
+pub const TRIES_REJECT: usize = 3;
 
 /// Ok(what was seen) or Err(why it does not match). Stops at the first
 /// request that contradicts the expectation.
@@ -21,7 +22,7 @@ pub fn judge(expect: &Expect, case: &Case, masq_observable: bool, mut send: impl
     match expect {
         Expect::Endpoints(allowed) => {
             let list = allowed.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
-            let tries = if allowed.len() > 1 { TRIES_MANY } else { TRIES_FEW };
+            let tries = TRIES_ENDPOINTS;
             let mut answered = BTreeSet::new();
             let mut masq_seen = None;
             for i in 1..=tries {
@@ -60,7 +61,7 @@ pub fn judge(expect: &Expect, case: &Case, masq_observable: bool, mut send: impl
             })
         }
         Expect::Reject => {
-            for i in 1..=TRIES_FEW {
+            for i in 1..=TRIES_REJECT {
                 match send() {
                     Outcome::Refused => {}
                     other => return Err(format!("request {i}: {other}; expected REJECT (connection refused)")),
