@@ -251,6 +251,12 @@ impl Cluster {
         }
     }
 
+    /// `dump services -o json` of the agent on test-node.
+    pub fn dump_services(&self) -> Result<serde_json::Value> {
+        let agent = self.agents.first().context("no agent started")?;
+        dump_json("services", &agent.bpffs_root)
+    }
+
     pub fn agent_logs(&self) -> String {
         self.agents.iter().map(|a| format!("--- agent in {}:\n{}", a.node, a.logs())).collect()
     }

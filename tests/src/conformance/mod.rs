@@ -5,6 +5,7 @@
 
 pub mod cluster;
 pub mod data;
+pub mod frontends;
 pub mod probe;
 pub mod run;
 pub mod verdict;

@@ -8,7 +8,7 @@ use anyhow::Result;
 use super::{
     cluster::{Client, Cluster, EndpointSpec, Plan, TEST_NODE, is_node_local},
     data::{Case, Expect, Family, Protocol, Setup},
-    probe, verdict,
+    frontends, probe, verdict,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,9 +18,20 @@ pub enum Status {
     Skip,
 }
 
+/// What a result is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    /// One of kube-proxy's packet-flow cases.
+    Packet,
+    /// `dump services` lists every frontend of a phase (not a kube-proxy case).
+    Dump,
+}
+
 #[derive(Debug, Clone)]
 pub struct CaseResult {
-    /// `proxier/Setup[ (after phase)]/case [proto]`: stable, unique.
+    pub check: Check,
+    /// `proxier/Setup[ (after phase)]/case [proto]`, or `dump services:
+    /// proxier/Setup[ (after phase)]`: stable, unique.
     pub id: String,
     pub status: Status,
     /// The packet, in kube-proxy's terms.
@@ -119,9 +130,16 @@ pub fn plan(setup: &Setup) -> Plan {
     plan
 }
 
+fn after(setup: &Setup, phase: usize) -> String {
+    if phase == 0 { String::new() } else { format!(" (after {})", setup.phases[phase].name) }
+}
+
 fn case_id(kind: &str, setup: &Setup, phase: usize, case: &Case) -> String {
-    let after = if phase == 0 { String::new() } else { format!(" (after {})", setup.phases[phase].name) };
-    format!("{kind}/{}{after}/{} [{}]", setup.name, case.name, case.protocol)
+    format!("{kind}/{}{}/{} [{}]", setup.name, after(setup, phase), case.name, case.protocol)
+}
+
+fn dump_id(kind: &str, setup: &Setup, phase: usize) -> String {
+    format!("dump services: {kind}/{}{}", setup.name, after(setup, phase))
 }
 
 fn packet(case: &Case) -> String {
@@ -138,25 +156,41 @@ fn packet(case: &Case) -> String {
 /// Runs every case of `setup`, calling `report` as each one finishes.
 pub fn run_setup(kind: &str, setup: &Setup, report: &(dyn Fn(&CaseResult) + Sync)) -> Vec<CaseResult> {
     let mut results = Vec::new();
-    let mut finish = |id: String, case: &Case, status: Status, detail: String| {
-        let r = CaseResult { id, status, packet: packet(case), detail };
+    let mut record = |r: CaseResult| {
         report(&r);
         results.push(r);
     };
-    let all_cases = || setup.phases.iter().enumerate().flat_map(|(i, p)| p.cases.iter().map(move |c| (i, c)));
+    let packet_result = |phase: usize, case: &Case, status: Status, detail: String| CaseResult {
+        check: Check::Packet,
+        id: case_id(kind, setup, phase, case),
+        status,
+        packet: packet(case),
+        detail,
+    };
+    let dump_result = |phase: usize, status: Status, detail: String| CaseResult {
+        check: Check::Dump,
+        id: dump_id(kind, setup, phase),
+        status,
+        packet: "every frontend kind with its scope".into(),
+        detail,
+    };
+    let everything = |status: Status, detail: &str| -> Vec<CaseResult> {
+        let mut all = Vec::new();
+        for (i, phase) in setup.phases.iter().enumerate() {
+            all.push(dump_result(i, status, detail.to_string()));
+            all.extend(phase.cases.iter().map(|c| packet_result(i, c, status, detail.to_string())));
+        }
+        all
+    };
 
     if setup.family == Family::IPv6 {
-        for (i, case) in all_cases() {
-            finish(case_id(kind, setup, i, case), case, Status::Skip, "IPv6: the datapath is IPv4-only for now".into());
-        }
+        everything(Status::Skip, "IPv6: the datapath is IPv4-only for now").into_iter().for_each(&mut record);
         return results;
     }
     let cluster = match build(setup) {
         Ok(c) => c,
         Err(e) => {
-            for (i, case) in all_cases() {
-                finish(case_id(kind, setup, i, case), case, Status::Fail, format!("setup failed: {e:#}"));
-            }
+            everything(Status::Fail, &format!("setup failed: {e:#}")).into_iter().for_each(&mut record);
             return results;
         }
     };
@@ -169,27 +203,47 @@ pub fn run_setup(kind: &str, setup: &Setup, report: &(dyn Fn(&CaseResult) + Sync
     for (i, phase) in setup.phases.iter().enumerate() {
         if i > 0 {
             if let Err(e) = cluster.apply(&phase.objects) {
-                for case in &phase.cases {
-                    finish(case_id(kind, setup, i, case), case, Status::Fail, format!("applying phase failed: {e:#}"));
-                }
+                let detail = format!("applying the phase failed: {e:#}");
+                record(dump_result(i, Status::Fail, detail.clone()));
+                phase.cases.iter().for_each(|c| record(packet_result(i, c, Status::Fail, detail.clone())));
                 continue;
             }
         }
+        let (status, detail) = check_frontends(&cluster, setup, &phase.objects);
+        record(dump_result(i, status, if status == Status::Fail { format!("{detail}{lacking}") } else { detail }));
         for case in &phase.cases {
-            let id = case_id(kind, setup, i, case);
             if case.protocol == Protocol::SCTP {
-                finish(id, case, Status::Skip, "SCTP: this kernel has no SCTP module (covered by crafted packets and the VM test)".into());
+                let why = "SCTP: this kernel has no SCTP module (covered by crafted packets and the VM test)";
+                record(packet_result(i, case, Status::Skip, why.into()));
                 continue;
             }
             let (status, detail) = run_case(&cluster, case);
             let detail = if status == Status::Fail { format!("{detail}{lacking}") } else { detail };
-            finish(id, case, status, detail);
+            record(packet_result(i, case, status, detail));
         }
     }
     if std::env::var_os("CONFORMANCE_AGENT_LOGS").is_some() {
         eprintln!("{}", cluster.agent_logs());
     }
     results
+}
+
+/// Whether test-node's `dump services` lists every frontend the phase's
+/// objects call for, each with a scope.
+fn check_frontends(cluster: &Cluster, setup: &Setup, objects: &[serde_yaml::Value]) -> (Status, String) {
+    let want = frontends::expected(objects, setup.config.node_port_addresses.as_deref());
+    let have = match cluster.dump_services() {
+        Ok(rows) => frontends::dumped(&rows),
+        Err(e) => return (Status::Fail, format!("dump services failed: {e:#}")),
+    };
+    let missing: Vec<String> = want.difference(&have).map(|(k, f)| format!("{k} {f}")).collect();
+    if want.is_empty() {
+        (Status::Skip, "no Service with a serving endpoint: nothing to list".into())
+    } else if missing.is_empty() {
+        (Status::Pass, format!("all {} frontends listed", want.len()))
+    } else {
+        (Status::Fail, format!("missing {} of {}: {}", missing.len(), want.len(), missing.join(", ")))
+    }
 }
 
 fn build(setup: &Setup) -> Result<Cluster> {
