@@ -229,20 +229,27 @@ pub fn run_setup(kind: &str, setup: &Setup, report: &(dyn Fn(&CaseResult) + Sync
 }
 
 /// Whether test-node's `dump services` lists every frontend the phase's
-/// objects call for, each with a scope.
+/// objects call for, each with a scope. The agent learns node addresses
+/// from netlink after its first sync, so NodePort frontends may follow
+/// /healthz by a moment: the dump gets a few seconds to converge.
 fn check_frontends(cluster: &Cluster, setup: &Setup, objects: &[serde_yaml::Value]) -> (Status, String) {
     let want = frontends::expected(objects, setup.config.node_port_addresses.as_deref());
-    let have = match cluster.dump_services() {
-        Ok(rows) => frontends::dumped(&rows),
-        Err(e) => return (Status::Fail, format!("dump services failed: {e:#}")),
-    };
-    let missing: Vec<String> = want.difference(&have).map(|(k, f)| format!("{k} {f}")).collect();
     if want.is_empty() {
-        (Status::Skip, "no Service with a serving endpoint: nothing to list".into())
-    } else if missing.is_empty() {
-        (Status::Pass, format!("all {} frontends listed", want.len()))
-    } else {
-        (Status::Fail, format!("missing {} of {}: {}", missing.len(), want.len(), missing.join(", ")))
+        return (Status::Skip, "no Service with a serving endpoint: nothing to list".into());
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let missing: Vec<String> = match cluster.dump_services() {
+            Ok(rows) => want.difference(&frontends::dumped(&rows)).map(|(k, f)| format!("{k} {f}")).collect(),
+            Err(e) => return (Status::Fail, format!("dump services failed: {e:#}")),
+        };
+        if missing.is_empty() {
+            return (Status::Pass, format!("all {} frontends listed", want.len()));
+        }
+        if std::time::Instant::now() > deadline {
+            return (Status::Fail, format!("missing {} of {}: {}", missing.len(), want.len(), missing.join(", ")));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }
 
