@@ -2,15 +2,19 @@
 
 pub mod agent;
 pub mod attach;
+pub mod cgroup;
 pub mod cleanup;
 pub mod cli;
 pub mod dump;
 pub mod health;
+pub mod healthcheck;
 pub mod manifest;
 pub mod maps;
+pub mod metrics;
 pub mod model;
 pub mod node_addrs;
 pub mod rbac;
 pub mod reconciler;
 pub mod source;
+pub mod topology;
 pub mod trace;

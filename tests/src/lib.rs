@@ -8,9 +8,12 @@
 
 pub mod agent;
 pub mod bpffs;
+pub mod cgroup;
 pub mod conformance;
 pub mod demo;
 pub mod echo;
+pub mod fake_api;
+pub mod flows;
 pub mod manifests;
 pub mod netns;
 pub mod topology;

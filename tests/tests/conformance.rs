@@ -106,7 +106,7 @@ fn kube_proxy_packet_flow_tables() -> Result<()> {
             s.spawn(|| {
                 loop {
                     let Some((order, kind, setup)) = queue.lock().unwrap().pop_front() else { break };
-                    let results = run_setup(&kind, &setup, &report);
+                    let results = run_setup(&kind, &setup, Path::new(env!("CARGO_BIN_EXE_netprobe")), &report);
                     done.lock().unwrap().push((order, results));
                 }
             });

@@ -19,8 +19,9 @@
 //!   "upstream" router that owns every other destination of the cases and
 //!   answers there too (server "upstream:PORT"). So a packet the proxy does
 //!   not handle gets an answer that names who gave it.
-//! - Each node runs its own agent with its own bpffs; both read one
-//!   manifests directory.
+//! - Each node runs its own agent with its own bpffs and its own cgroup for
+//!   the socket hooks (so they see only that node's processes, never the
+//!   machine's); both read one manifests directory.
 //!
 //! Everything is removed on drop, in dependency order, also on failure.
 
@@ -36,6 +37,7 @@ use anyhow::{Context, Result};
 use crate::{
     agent::{Agent, agent_bin, dump_json, wait_until},
     bpffs::Bpffs,
+    cgroup::Cgroup,
     echo::EchoServer,
     netns::Netns,
     topology::{Node, Pod, mac_of},
@@ -90,6 +92,8 @@ pub struct Cluster {
     pub node2: Node,
     _lan: Netns,
     bpffs: Vec<Bpffs>,
+    /// One per agent, in the agents' order: test-node's first.
+    cgroups: Vec<Cgroup>,
     pub manifests: tempfile::TempDir,
     /// Agent flags left out because this agent build does not know them.
     pub unsupported_flags: Vec<String>,
@@ -188,6 +192,7 @@ impl Cluster {
             node2,
             _lan: lan,
             bpffs: Vec::new(),
+            cgroups: Vec::new(),
             manifests: tempfile::tempdir()?,
             unsupported_flags: Vec::new(),
         })
@@ -208,12 +213,20 @@ impl Cluster {
                 self.unsupported_flags.push(flag.clone());
             }
         }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         for (ns, name) in [(&self.test_node.ns, TEST_NODE), (&self.node2.ns, NODE2)] {
             let bpffs = Bpffs::new(&format!("conf-{name}"))?;
             let root = bpffs.path().join("agent");
             self.bpffs.push(bpffs);
-            self.agents.push(Agent::start_as(ns, name, self.manifests.path(), &root, &args)?);
+            let mut node_args: Vec<&str> = args.iter().map(String::as_str).collect();
+            // Without it the hooks would go on the machine's root cgroup.
+            let cgroup_root;
+            if known.contains("--cgroup-root") {
+                let cg = Cgroup::new(&format!("conf-{name}"))?;
+                cgroup_root = cg.path().display().to_string();
+                node_args.extend(["--cgroup-root", cgroup_root.as_str()]);
+                self.cgroups.push(cg);
+            }
+            self.agents.push(Agent::start_as(ns, name, self.manifests.path(), &root, &node_args)?);
         }
         for (agent, ns) in self.agents.iter_mut().zip([&self.test_node.ns, &self.node2.ns]) {
             agent.wait_healthy(ns, HEALTHY)?;
@@ -249,6 +262,11 @@ impl Cluster {
             Some(ns) => Client::Ns(ns),
             None => Client::Missing,
         }
+    }
+
+    /// The cgroup of test-node's processes, when the agent has socket hooks.
+    pub fn test_node_cgroup(&self) -> Option<&Cgroup> {
+        self.cgroups.first()
     }
 
     /// `dump services -o json` of the agent on test-node.

@@ -6,13 +6,18 @@
 use std::{
     io::{ErrorKind, Read, Write},
     net::{IpAddr, SocketAddr},
+    path::Path,
     time::Duration,
 };
 
 use socket2::{Domain, Protocol as SockProto, SockAddr, Socket, Type};
 
 use super::data::Protocol;
-use crate::netns::Netns;
+use crate::{cgroup::Cgroup, netns::Netns};
+
+/// What a client sends: echo servers answer anything, and an HTTP server
+/// (the agent's healthCheckNodePort) answers this at once.
+const REQUEST: &[u8] = b"GET /healthz HTTP/1.0\r\nHost: conformance\r\n\r\n";
 
 /// How long a request waits for a connection or an answer. A dropped packet
 /// is recognised by this much silence.
@@ -23,6 +28,9 @@ pub enum Outcome {
     /// An echo server answered: its name ("IP:port" of an endpoint, or
     /// "host:port" for the node itself) and the client address it saw.
     Answer { server: String, seen_client: String },
+    /// Something that is no echo server answered (an HTTP server: the
+    /// agent's healthCheckNodePort): its first line.
+    Other(String),
     /// ECONNREFUSED: a TCP RST or an ICMP port unreachable.
     Refused,
     /// Nothing within [`WAIT`].
@@ -35,6 +43,7 @@ impl std::fmt::Display for Outcome {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Outcome::Answer { server, seen_client } => write!(f, "{server} (saw client {seen_client})"),
+            Outcome::Other(line) => write!(f, "answered {line:?}"),
             Outcome::Refused => f.write_str("refused"),
             Outcome::Silence => f.write_str("no answer"),
             Outcome::Error(e) => write!(f, "error: {e}"),
@@ -51,6 +60,31 @@ pub fn request(ns: &Netns, proto: Protocol, source: IpAddr, freebind: bool, dest
         Protocol::SCTP => Outcome::Error("SCTP is not probed with sockets here".into()),
     });
     run.unwrap_or_else(|e| Outcome::Error(e.to_string()))
+}
+
+/// One request from a process on the node: `netprobe` run in the node's
+/// namespace and cgroup, so the agent's socket hooks see it. The socket
+/// must show `dest` as its peer, as it would with kube-proxy's DNAT.
+pub fn request_from_node(netprobe: &Path, cgroup: &Cgroup, ns: &Netns, proto: Protocol, source: IpAddr, dest: SocketAddr) -> Outcome {
+    let out = match cgroup.command(ns, netprobe).args([proto.to_string(), dest.to_string(), source.to_string()]).output() {
+        Ok(out) => out,
+        Err(e) => return Outcome::Error(format!("run netprobe: {e}")),
+    };
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if let Some(kind) = text.strip_prefix("error=") {
+        return match kind {
+            "ConnectionRefused" => Outcome::Refused,
+            "TimedOut" | "WouldBlock" => Outcome::Silence,
+            _ => Outcome::Error(format!("netprobe: {kind}")),
+        };
+    }
+    let Some((peer, reply)) = text.strip_prefix("peer=").and_then(|t| t.split_once(" reply=")) else {
+        return Outcome::Error(format!("netprobe said {text:?} {}", String::from_utf8_lossy(&out.stderr).trim()));
+    };
+    if peer != dest.to_string() {
+        return Outcome::Error(format!("the socket's peer is {peer}, not the address dialled {dest}"));
+    }
+    parse(reply)
 }
 
 fn socket(kind: Type, proto: SockProto, source: IpAddr, freebind: bool) -> std::io::Result<Socket> {
@@ -80,7 +114,7 @@ fn tcp(source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
     }
     let mut stream: std::net::TcpStream = s.into();
     let _ = stream.set_read_timeout(Some(WAIT * 2));
-    if let Err(e) = stream.write_all(b"hello\n") {
+    if let Err(e) = stream.write_all(REQUEST) {
         return Outcome::Error(format!("connected, then write failed: {e}"));
     }
     let mut text = String::new();
@@ -100,7 +134,7 @@ fn udp(source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
         return Outcome::Error(format!("connect {dest}: {e}"));
     }
     let _ = socket.set_read_timeout(Some(WAIT));
-    if let Err(e) = socket.send(b"hello\n") {
+    if let Err(e) = socket.send(REQUEST) {
         return classify(&e);
     }
     let mut buf = [0u8; 1500];
@@ -111,6 +145,9 @@ fn udp(source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
 }
 
 fn parse(text: &str) -> Outcome {
+    if text.starts_with("HTTP/") {
+        return Outcome::Other(text.lines().next().unwrap_or_default().to_string());
+    }
     let mut words = text.split_whitespace();
     match (words.next(), words.next()) {
         (Some(server), Some(seen)) => Outcome::Answer { server: server.to_string(), seen_client: seen.to_string() },

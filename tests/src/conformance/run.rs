@@ -1,7 +1,11 @@
 //! Runs the cases of one setup: plans and builds its cluster, starts the
 //! agents with the setup's flags, applies each phase, and judges every case.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::Path,
+};
 
 use anyhow::Result;
 
@@ -101,6 +105,14 @@ pub fn plan(setup: &Setup) -> Plan {
             }
         }
     }
+    // The agent serves these itself (kube-proxy's health-check servers).
+    let health_checks: BTreeSet<u16> = setup
+        .phases
+        .iter()
+        .flat_map(|p| &p.objects)
+        .filter(|o| o["kind"].as_str() == Some("Service") && o["spec"]["externalTrafficPolicy"].as_str() == Some("Local"))
+        .filter_map(|o| o["spec"]["healthCheckNodePort"].as_u64().and_then(|p| u16::try_from(p).ok()))
+        .collect();
     for phase in &setup.phases {
         for case in &phase.cases {
             let (IpAddr::V4(src), IpAddr::V4(dst)) = (case.source_ip, case.dest_ip) else { continue };
@@ -108,7 +120,9 @@ pub fn plan(setup: &Setup) -> Plan {
                 continue;
             }
             if is_node_local(dst) {
-                plan.host_ports.insert(case.dest_port);
+                if !health_checks.contains(&case.dest_port) {
+                    plan.host_ports.insert(case.dest_port);
+                }
             } else if dst.octets()[0] != 10 {
                 plan.upstream_ips.insert(dst);
                 plan.upstream_ports.insert(case.dest_port);
@@ -154,7 +168,8 @@ fn packet(case: &Case) -> String {
 }
 
 /// Runs every case of `setup`, calling `report` as each one finishes.
-pub fn run_setup(kind: &str, setup: &Setup, report: &(dyn Fn(&CaseResult) + Sync)) -> Vec<CaseResult> {
+/// `netprobe` is the client binary run as a node process.
+pub fn run_setup(kind: &str, setup: &Setup, netprobe: &Path, report: &(dyn Fn(&CaseResult) + Sync)) -> Vec<CaseResult> {
     let mut results = Vec::new();
     let mut record = |r: CaseResult| {
         report(&r);
@@ -217,7 +232,7 @@ pub fn run_setup(kind: &str, setup: &Setup, report: &(dyn Fn(&CaseResult) + Sync
                 record(packet_result(i, case, Status::Skip, why.into()));
                 continue;
             }
-            let (status, detail) = run_case(&cluster, case);
+            let (status, detail) = run_case(&cluster, case, netprobe);
             let detail = if status == Status::Fail { format!("{detail}{lacking}") } else { detail };
             record(packet_result(i, case, status, detail));
         }
@@ -260,7 +275,7 @@ fn build(setup: &Setup) -> Result<Cluster> {
     Ok(cluster)
 }
 
-fn run_case(cluster: &Cluster, case: &Case) -> (Status, String) {
+fn run_case(cluster: &Cluster, case: &Case, netprobe: &Path) -> (Status, String) {
     let expect: Expect = match case.expect() {
         Ok(e) => e,
         Err(e) => return (Status::Fail, format!("bad case: {e:#}")),
@@ -273,7 +288,12 @@ fn run_case(cluster: &Cluster, case: &Case) -> (Status, String) {
     let dest = SocketAddr::new(case.dest_ip, case.dest_port);
     // A node's own address is what masquerading would produce: not observable.
     let masq_observable = !matches!(origin, Origin::Node { .. });
-    match verdict::judge(&expect, case, masq_observable, || probe::request(ns, case.protocol, case.source_ip, freebind, dest)) {
+    let node_cgroup = cluster.test_node_cgroup().filter(|_| !masq_observable);
+    let send = || match node_cgroup {
+        Some(cg) => probe::request_from_node(netprobe, cg, ns, case.protocol, case.source_ip, dest),
+        None => probe::request(ns, case.protocol, case.source_ip, freebind, dest),
+    };
+    match verdict::judge(&expect, case, masq_observable, send) {
         Ok(seen) => (Status::Pass, seen),
         Err(why) if matches!(origin, Origin::Node { .. }) => {
             (Status::Fail, format!("{why} (sent by a process on the node: needs the socket-level hooks)"))

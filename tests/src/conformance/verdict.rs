@@ -75,6 +75,7 @@ pub fn judge(expect: &Expect, case: &Case, masq_observable: bool, mut send: impl
         },
         Expect::Accept => match send() {
             Outcome::Answer { server, .. } if server.starts_with("host:") => Ok(format!("delivered to the node ({server})")),
+            Outcome::Other(line) => Ok(format!("delivered to the node, whose server answered {line:?}")),
             other => Err(format!("{other}; expected delivery to the node itself")),
         },
         Expect::Untouched => match send() {
@@ -140,6 +141,7 @@ mod tests {
         assert!(judge_seq(&case("DROP", false), vec![Outcome::Silence]).is_ok());
         assert!(judge_seq(&case("DROP", false), vec![Outcome::Refused]).is_err());
         assert!(judge_seq(&case("ACCEPT", false), vec![answer("host:30000", "1.2.3.4:9")]).is_ok());
+        assert!(judge_seq(&case("ACCEPT", false), vec![Outcome::Other("HTTP/1.1 503".into())]).is_ok());
         assert!(judge_seq(&case("ACCEPT", false), vec![Outcome::Refused]).is_err());
         assert!(judge_seq(&case("REJECT", false), vec![answer("upstream:80", "10.0.0.2:9")]).is_err());
         assert!(judge_seq(&case("DROP", false), vec![answer("host:80", "10.0.0.2:9")]).is_err());
