@@ -7,8 +7,8 @@
 //! tests/conformance/known-failures.txt. The test fails on any other failing
 //! case, and on a listed case that now passes (so the list only shrinks).
 //! A line `~text<TAB>reason` there names a known intermittent symptom: a
-//! failure whose detail contains `text` is reported (FAIL~) and counted, but
-//! does not fail the test.
+//! failure whose detail contains `text` (pieces joined by ` && ` must all
+//! appear) is reported (FAIL~) and counted, but does not fail the test.
 //!
 //! CONFORMANCE_FILTER=substring runs the setups whose id contains it;
 //! CONFORMANCE_THREADS=n sets how many setups run at once (default 3);
@@ -45,7 +45,11 @@ struct Known {
 
 impl Known {
     fn symptom(&self, r: &CaseResult) -> Option<&str> {
-        self.symptoms.iter().find(|(text, _)| r.detail.contains(text.as_str())).map(|(_, why)| why.as_str())
+        // `text` may be several pieces joined by " && ", all of which must appear.
+        self.symptoms
+            .iter()
+            .find(|(text, _)| text.split(" && ").all(|part| r.detail.contains(part)))
+            .map(|(_, why)| why.as_str())
     }
 }
 
