@@ -37,21 +37,28 @@ impl Agent {
 
     /// Like `start`, with the node name the agent runs as.
     pub fn start_as(node: &Netns, node_name: &str, manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
-        Agent::launch(&agent_bin(), node, node_name, ("--manifests", manifests), bpffs_root, extra)
+        Agent::launch(&agent_bin(), &[], node, node_name, ("--manifests", manifests), bpffs_root, extra)
     }
 
     /// Like `start`, with another build of the agent (an upgrade).
     pub fn start_bin(bin: &Path, node: &Netns, manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
-        Agent::launch(bin, node, "node-a", ("--manifests", manifests), bpffs_root, extra)
+        Agent::launch(bin, &[], node, "node-a", ("--manifests", manifests), bpffs_root, extra)
+    }
+
+    /// Like `start`, with the agent run through `wrapper` (a command that
+    /// execs its arguments, such as `setpriv --bounding-set=...`).
+    pub fn start_wrapped(node: &Netns, wrapper: &[&str], manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
+        Agent::launch(&agent_bin(), wrapper, node, "node-a", ("--manifests", manifests), bpffs_root, extra)
     }
 
     /// `ebpf-proxy run --kubeconfig FILE` in `node`.
     pub fn start_kube(node: &Netns, kubeconfig: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
-        Agent::launch(&agent_bin(), node, "node-a", ("--kubeconfig", kubeconfig), bpffs_root, extra)
+        Agent::launch(&agent_bin(), &[], node, "node-a", ("--kubeconfig", kubeconfig), bpffs_root, extra)
     }
 
     fn launch(
         bin: &Path,
+        wrapper: &[&str],
         node: &Netns,
         node_name: &str,
         source: (&str, &Path),
@@ -64,8 +71,16 @@ impl Agent {
         let mount = bpffs_root.parent().unwrap_or(bpffs_root);
         let log = PathBuf::from(format!("{}.agent.log", mount.display()));
         let log_file = std::fs::File::create(&log)?;
-        let child = node
-            .command(bin.to_str().context("agent path is not UTF-8")?)
+        let bin_str = bin.to_str().context("agent path is not UTF-8")?;
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = node.command(program);
+                c.args(args).arg(bin_str);
+                c
+            }
+            None => node.command(bin_str),
+        };
+        let child = cmd
             .arg("run")
             .arg(source.0)
             .arg(source.1)
