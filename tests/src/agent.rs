@@ -30,28 +30,41 @@ pub struct Agent {
 }
 
 impl Agent {
-    /// `ebpf-proxy run --manifests DIR` in `node`, logging to a file.
+    /// `ebpf-proxy run --manifests DIR` in `node` as node `node-a`, logging to a file.
     pub fn start(node: &Netns, manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
         Agent::start_bin(&agent_bin(), node, manifests, bpffs_root, extra)
     }
 
+    /// Like `start`, with the node name the agent runs as.
+    pub fn start_as(node: &Netns, node_name: &str, manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
+        Agent::launch(&agent_bin(), &[], node, node_name, ("--manifests", manifests), bpffs_root, extra)
+    }
+
     /// Like `start`, with another build of the agent (an upgrade).
     pub fn start_bin(bin: &Path, node: &Netns, manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
-        Agent::launch(bin, &[], node, ("--manifests", manifests), bpffs_root, extra)
+        Agent::launch(bin, &[], node, "node-a", ("--manifests", manifests), bpffs_root, extra)
     }
 
     /// Like `start`, with the agent run through `wrapper` (a command that
     /// execs its arguments, such as `setpriv --bounding-set=...`).
     pub fn start_wrapped(node: &Netns, wrapper: &[&str], manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
-        Agent::launch(&agent_bin(), wrapper, node, ("--manifests", manifests), bpffs_root, extra)
+        Agent::launch(&agent_bin(), wrapper, node, "node-a", ("--manifests", manifests), bpffs_root, extra)
     }
 
     /// `ebpf-proxy run --kubeconfig FILE` in `node`.
     pub fn start_kube(node: &Netns, kubeconfig: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
-        Agent::launch(&agent_bin(), &[], node, ("--kubeconfig", kubeconfig), bpffs_root, extra)
+        Agent::launch(&agent_bin(), &[], node, "node-a", ("--kubeconfig", kubeconfig), bpffs_root, extra)
     }
 
-    fn launch(bin: &Path, wrapper: &[&str], node: &Netns, source: (&str, &Path), bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
+    fn launch(
+        bin: &Path,
+        wrapper: &[&str],
+        node: &Netns,
+        node_name: &str,
+        source: (&str, &Path),
+        bpffs_root: &Path,
+        extra: &[&str],
+    ) -> Result<Agent> {
         let healthz: SocketAddr = ([127, 0, 0, 1], 10256).into();
         let metrics: SocketAddr = ([127, 0, 0, 1], 10249).into();
         // Next to the bpffs mount (a bpffs holds no regular files).
@@ -74,7 +87,7 @@ impl Agent {
             .arg("--bpffs-root")
             .arg(bpffs_root)
             .arg("--node-name")
-            .arg("node-a")
+            .arg(node_name)
             .arg("--healthz-bind-address")
             .arg(healthz.to_string())
             .arg("--metrics-bind-address")

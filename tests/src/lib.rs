@@ -9,6 +9,7 @@
 pub mod agent;
 pub mod bpffs;
 pub mod cgroup;
+pub mod conformance;
 pub mod demo;
 pub mod echo;
 pub mod fake_api;

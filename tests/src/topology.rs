@@ -105,6 +105,7 @@ impl Node {
     }
 }
 
+/// The MAC address of `ifname` in `ns`.
 pub fn mac_of(ns: &Netns, ifname: &str) -> Result<String> {
     let out = ns.ip(&["-o", "link", "show", "dev", ifname])?;
     out.split_whitespace()

@@ -37,6 +37,8 @@ fn main() {
 fn tcp(to: SocketAddr, from: Option<IpAddr>) -> std::io::Result<(SocketAddr, String)> {
     let socket = Socket::new(Domain::IPV4, Type::STREAM, None)?;
     if let Some(ip) = from {
+        // Free bind: a source the node does not hold (traffic SNATted to an LB IP).
+        socket.set_freebind_v4(true)?;
         socket.bind(&SocketAddr::new(ip, 0).into())?;
     }
     socket.connect_timeout(&to.into(), TIMEOUT)?;

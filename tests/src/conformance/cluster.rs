@@ -1,0 +1,322 @@
+//! A two-node cluster in network namespaces, laid out with kube-proxy's test
+//! conventions, for one conformance setup:
+//!
+//! - `test-node` (the node under test) and `node2` share a LAN (a bridge in
+//!   its own namespace). `test-node`'s LAN interface holds every node address
+//!   of kube-proxy's fake proxier: 192.168.0.2, 192.168.1.2 and 192.168.99.11
+//!   (an ExternalIP that is also a node address); `node2` is 192.168.0.3.
+//! - Each endpoint is a pod (own namespace, /32, Calico-style routing) on the
+//!   node its `nodeName` names; any other name, or none, lands on `node2`.
+//!   Each node routes the other's pod /32s via its LAN address.
+//! - Pod clients (source in 10.0.0.0/8) are pods on `test-node`; a client that
+//!   is itself an endpoint uses that endpoint's pod (hairpin).
+//! - Every other source (203.0.113.x, an LB IP) is a host on the LAN with
+//!   that address, routed via `test-node`.
+//! - Nothing a case sends may end in an accidental black hole or an
+//!   accidental refusal, or DROP and REJECT would pass without the proxy:
+//!   `test-node` answers on every port a case sends to one of its own
+//!   addresses (server "host:PORT"), and its default route leads to an
+//!   "upstream" router that owns every other destination of the cases and
+//!   answers there too (server "upstream:PORT"). So a packet the proxy does
+//!   not handle gets an answer that names who gave it.
+//! - Each node runs its own agent with its own bpffs and its own cgroup for
+//!   the socket hooks (so they see only that node's processes, never the
+//!   machine's); both read one manifests directory.
+//!
+//! Everything is removed on drop, in dependency order, also on failure.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, Ipv4Addr},
+    path::Path,
+    time::Duration,
+};
+
+use anyhow::{Context, Result};
+
+use crate::{
+    agent::{Agent, agent_bin, dump_json, wait_until},
+    bpffs::Bpffs,
+    cgroup::Cgroup,
+    echo::EchoServer,
+    netns::Netns,
+    topology::{Node, Pod, mac_of},
+    unique_suffix,
+};
+
+pub const TEST_NODE: &str = "test-node";
+pub const NODE2: &str = "node2";
+pub const NODE_IPS: [Ipv4Addr; 3] =
+    [Ipv4Addr::new(192, 168, 0, 2), Ipv4Addr::new(192, 168, 1, 2), Ipv4Addr::new(192, 168, 99, 11)];
+const NODE2_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 3);
+const UPSTREAM_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 254);
+const LAN_IF: &str = "lan0";
+const HEALTHY: Duration = Duration::from_secs(30);
+
+/// An endpoint pod to create: where, and the ports its echo server serves.
+#[derive(Debug, Default, Clone)]
+pub struct EndpointSpec {
+    pub on_test_node: bool,
+    pub ports: BTreeSet<u16>,
+}
+
+/// What to build for one setup.
+#[derive(Debug, Default)]
+pub struct Plan {
+    pub endpoints: BTreeMap<Ipv4Addr, EndpointSpec>,
+    /// Pod clients on test-node that are not endpoints.
+    pub pod_clients: BTreeSet<Ipv4Addr>,
+    pub external_clients: BTreeSet<Ipv4Addr>,
+    /// Ports on test-node where a "host" echo server listens.
+    pub host_ports: BTreeSet<u16>,
+    /// Destinations the upstream router owns, and the ports it answers on.
+    pub upstream_ips: BTreeSet<Ipv4Addr>,
+    pub upstream_ports: BTreeSet<u16>,
+}
+
+/// Where a case's client runs.
+pub enum Client<'a> {
+    Ns(&'a Netns),
+    /// Not found in the plan (a harness bug, reported as such).
+    Missing,
+}
+
+// Field order is drop order: agents stop before their namespaces and bpffs go.
+pub struct Cluster {
+    agents: Vec<Agent>,
+    _servers: Vec<EchoServer>,
+    pods: BTreeMap<Ipv4Addr, Pod>,
+    externals: BTreeMap<Ipv4Addr, Netns>,
+    _upstream: Netns,
+    pub test_node: Node,
+    pub node2: Node,
+    _lan: Netns,
+    bpffs: Vec<Bpffs>,
+    /// One per agent, in the agents' order: test-node's first.
+    cgroups: Vec<Cgroup>,
+    pub manifests: tempfile::TempDir,
+    /// Agent flags left out because this agent build does not know them.
+    pub unsupported_flags: Vec<String>,
+}
+
+impl Cluster {
+    pub fn build(plan: &Plan) -> Result<Cluster> {
+        let lan = Netns::new(&format!("ep{}-lan", unique_suffix()))?;
+        lan.ip(&["link", "add", "br0", "type", "bridge"])?;
+        lan.ip(&["link", "set", "br0", "up"])?;
+        let mut test_node = Node::new("tn")?;
+        let mut node2 = Node::new("n2")?;
+        let mut port_no = 0;
+        let mut join_lan = |ns: &Netns, ifname: &str| -> Result<String> {
+            port_no += 1;
+            let br_port = format!("p{port_no}");
+            lan.ip(&["link", "add", &br_port, "type", "veth", "peer", "name", ifname, "netns", &ns.name])
+                .with_context(|| format!("LAN port for {}", ns.name))?;
+            lan.ip(&["link", "set", &br_port, "master", "br0", "up"])?;
+            ns.ip(&["link", "set", ifname, "up"])?;
+            mac_of(ns, ifname)
+        };
+
+        let tn_mac = join_lan(&test_node.ns, LAN_IF)?;
+        // The first address carries the LAN's /24; the others are /32 so
+        // their neighbours (192.168.99.22, an ExternalIP) route upstream.
+        for (i, ip) in NODE_IPS.iter().enumerate() {
+            test_node.ns.ip(&["addr", "add", &format!("{ip}/{}", if i == 0 { 24 } else { 32 }), "dev", LAN_IF])?;
+        }
+        let n2_mac = join_lan(&node2.ns, LAN_IF)?;
+        node2.ns.ip(&["addr", "add", &format!("{NODE2_IP}/24"), "dev", LAN_IF])?;
+        let tn_ip = NODE_IPS[0].to_string();
+        node2.ns.ip(&["neigh", "replace", &tn_ip, "lladdr", &tn_mac, "dev", LAN_IF, "nud", "permanent"])?;
+        node2.ns.ip(&["route", "add", "default", "via", &tn_ip, "dev", LAN_IF])?;
+        test_node.ns.ip(&["neigh", "replace", &NODE2_IP.to_string(), "lladdr", &n2_mac, "dev", LAN_IF, "nud", "permanent"])?;
+
+        let upstream = Netns::new(&format!("{}-up", test_node.prefix))?;
+        let up_mac = join_lan(&upstream, "eth0")?;
+        upstream.ip(&["addr", "add", &format!("{UPSTREAM_IP}/24"), "dev", "eth0"])?;
+        upstream.ip(&["neigh", "replace", &tn_ip, "lladdr", &tn_mac, "dev", "eth0", "nud", "permanent"])?;
+        upstream.ip(&["route", "add", "default", "via", &tn_ip, "dev", "eth0"])?;
+        for ip in &plan.upstream_ips {
+            upstream.ip(&["route", "add", "local", &format!("{ip}/32"), "dev", "lo"])?;
+        }
+        test_node.ns.ip(&["neigh", "replace", &UPSTREAM_IP.to_string(), "lladdr", &up_mac, "dev", LAN_IF, "nud", "permanent"])?;
+        test_node.ns.ip(&["route", "add", "default", "via", &UPSTREAM_IP.to_string(), "dev", LAN_IF])?;
+
+        let mut externals = BTreeMap::new();
+        for ip in &plan.external_clients {
+            let ns = Netns::new(&format!("{}-x{}", test_node.prefix, externals.len()))?;
+            for key in ["net.ipv4.conf.all.rp_filter", "net.ipv4.conf.default.rp_filter"] {
+                ns.sysctl(key, "0")?;
+            }
+            let mac = join_lan(&ns, "eth0")?;
+            ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+            ns.ip(&["route", "add", &tn_ip, "dev", "eth0", "scope", "link"])?;
+            ns.ip(&["neigh", "replace", &tn_ip, "lladdr", &tn_mac, "dev", "eth0", "nud", "permanent"])?;
+            ns.ip(&["route", "add", "default", "via", &tn_ip, "dev", "eth0"])?;
+            test_node.ns.ip(&["route", "add", &format!("{ip}/32"), "dev", LAN_IF, "scope", "link"])?;
+            test_node.ns.ip(&["neigh", "replace", &ip.to_string(), "lladdr", &mac, "dev", LAN_IF, "nud", "permanent"])?;
+            externals.insert(*ip, ns);
+        }
+
+        let mut pods = BTreeMap::new();
+        let mut servers = Vec::new();
+        for (n, (ip, spec)) in plan.endpoints.iter().enumerate() {
+            let pod = if spec.on_test_node {
+                test_node.add_pod(&format!("e{n}"), *ip)?
+            } else {
+                let pod = node2.add_pod(&format!("e{n}"), *ip)?;
+                test_node.ns.ip(&["route", "add", &format!("{ip}/32"), "via", &NODE2_IP.to_string(), "dev", LAN_IF])?;
+                pod
+            };
+            for port in &spec.ports {
+                servers.push(EchoServer::start(&pod.ns, &format!("{ip}:{port}"), *port)?);
+            }
+            pods.insert(*ip, pod);
+        }
+        for (n, ip) in plan.pod_clients.iter().enumerate() {
+            pods.insert(*ip, test_node.add_pod(&format!("c{n}"), *ip)?);
+        }
+        for port in &plan.host_ports {
+            servers.push(EchoServer::start(&test_node.ns, &format!("host:{port}"), *port)?);
+        }
+        for port in &plan.upstream_ports {
+            servers.push(EchoServer::start(&upstream, &format!("upstream:{port}"), *port)?);
+        }
+
+        Ok(Cluster {
+            agents: Vec::new(),
+            _servers: servers,
+            pods,
+            externals,
+            _upstream: upstream,
+            test_node,
+            node2,
+            _lan: lan,
+            bpffs: Vec::new(),
+            cgroups: Vec::new(),
+            manifests: tempfile::tempdir()?,
+            unsupported_flags: Vec::new(),
+        })
+    }
+
+    /// Starts one agent per node with `flags` (the ones this agent build
+    /// knows) and waits until both report their first sync.
+    pub fn start_agents(&mut self, flags: &[String]) -> Result<()> {
+        let known = known_run_flags()?;
+        let mut args = Vec::new();
+        let mut it = flags.iter().peekable();
+        while let Some(flag) = it.next() {
+            let value = it.next_if(|v| !v.starts_with("--"));
+            if known.contains(flag.as_str()) {
+                args.push(flag.clone());
+                args.extend(value.cloned());
+            } else {
+                self.unsupported_flags.push(flag.clone());
+            }
+        }
+        for (ns, name) in [(&self.test_node.ns, TEST_NODE), (&self.node2.ns, NODE2)] {
+            let bpffs = Bpffs::new(&format!("conf-{name}"))?;
+            let root = bpffs.path().join("agent");
+            self.bpffs.push(bpffs);
+            let mut node_args: Vec<&str> = args.iter().map(String::as_str).collect();
+            // Without it the hooks would go on the machine's root cgroup.
+            let cgroup_root;
+            if known.contains("--cgroup-root") {
+                let cg = Cgroup::new(&format!("conf-{name}"))?;
+                cgroup_root = cg.path().display().to_string();
+                node_args.extend(["--cgroup-root", cgroup_root.as_str()]);
+                self.cgroups.push(cg);
+            }
+            self.agents.push(Agent::start_as(ns, name, self.manifests.path(), &root, &node_args)?);
+        }
+        for (agent, ns) in self.agents.iter_mut().zip([&self.test_node.ns, &self.node2.ns]) {
+            agent.wait_healthy(ns, HEALTHY)?;
+        }
+        Ok(())
+    }
+
+    /// Replaces the manifests with `objects` and waits until both agents'
+    /// maps changed (or a timeout: the next cases then show what stuck).
+    pub fn apply(&self, objects: &[serde_yaml::Value]) -> Result<()> {
+        let before: Vec<_> = self.agents.iter().map(|a| dump_json("services", &a.bpffs_root).ok()).collect();
+        write_manifests(self.manifests.path(), objects)?;
+        if self.agents.is_empty() {
+            return Ok(());
+        }
+        let _ = wait_until("the agents to apply the change", Duration::from_secs(10), || {
+            Ok(self.agents.iter().zip(&before).all(|(a, b)| dump_json("services", &a.bpffs_root).ok() != *b))
+        });
+        Ok(())
+    }
+
+    /// The namespace a case's client runs in: `test-node` itself for a
+    /// process on the node, else the pod or LAN host holding `ip`.
+    pub fn client(&self, ip: IpAddr, on_node: bool) -> Client<'_> {
+        if on_node {
+            return Client::Ns(&self.test_node.ns);
+        }
+        let IpAddr::V4(v4) = ip else { return Client::Missing };
+        if let Some(pod) = self.pods.get(&v4) {
+            return Client::Ns(&pod.ns);
+        }
+        match self.externals.get(&v4) {
+            Some(ns) => Client::Ns(ns),
+            None => Client::Missing,
+        }
+    }
+
+    /// The cgroup of test-node's processes, when the agent has socket hooks.
+    pub fn test_node_cgroup(&self) -> Option<&Cgroup> {
+        self.cgroups.first()
+    }
+
+    /// `dump services -o json` of the agent on test-node.
+    pub fn dump_services(&self) -> Result<serde_json::Value> {
+        let agent = self.agents.first().context("no agent started")?;
+        dump_json("services", &agent.bpffs_root)
+    }
+
+    pub fn agent_logs(&self) -> String {
+        self.agents.iter().map(|a| format!("--- agent in {}:\n{}", a.node, a.logs())).collect()
+    }
+}
+
+/// A source that is the node itself: its addresses and loopback.
+pub fn is_node_local(ip: Ipv4Addr) -> bool {
+    ip.is_loopback() || NODE_IPS.contains(&ip)
+}
+
+/// Writes one file per object and removes files of objects that are gone, so
+/// the agent sees the change as a watch would deliver it.
+fn write_manifests(dir: &Path, objects: &[serde_yaml::Value]) -> Result<()> {
+    let mut wanted = BTreeSet::new();
+    for obj in objects {
+        let kind = obj["kind"].as_str().unwrap_or("Object");
+        let meta = &obj["metadata"];
+        let name = format!(
+            "{}-{}-{}.yaml",
+            kind,
+            meta["namespace"].as_str().unwrap_or("default"),
+            meta["name"].as_str().context("object without metadata.name")?
+        );
+        std::fs::write(dir.join(&name), serde_yaml::to_string(obj)?)?;
+        wanted.insert(name);
+    }
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        if !wanted.contains(&*entry.file_name().to_string_lossy()) {
+            std::fs::remove_file(entry.path())?;
+        }
+    }
+    Ok(())
+}
+
+/// The `--flags` that `ebpf-proxy run --help` lists.
+fn known_run_flags() -> Result<BTreeSet<String>> {
+    let out = std::process::Command::new(agent_bin()).args(["run", "--help"]).output().context("ebpf-proxy run --help")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(text
+        .split(|c: char| c.is_whitespace() || c == ',' || c == '=' || c == '[' || c == ']' || c == '<')
+        .filter(|w| w.starts_with("--") && w.len() > 2)
+        .map(str::to_string)
+        .collect())
+}

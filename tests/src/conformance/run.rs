@@ -1,0 +1,303 @@
+//! Runs the cases of one setup: plans and builds its cluster, starts the
+//! agents with the setup's flags, applies each phase, and judges every case.
+
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::Path,
+};
+
+use anyhow::Result;
+
+use super::{
+    cluster::{Client, Cluster, EndpointSpec, Plan, TEST_NODE, is_node_local},
+    data::{Case, Expect, Family, Protocol, Setup},
+    frontends, probe, verdict,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Pass,
+    Fail,
+    Skip,
+}
+
+/// What a result is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    /// One of kube-proxy's packet-flow cases.
+    Packet,
+    /// `dump services` lists every frontend of a phase (not a kube-proxy case).
+    Dump,
+}
+
+#[derive(Debug, Clone)]
+pub struct CaseResult {
+    pub check: Check,
+    /// `proxier/Setup[ (after phase)]/case [proto]`, or `dump services:
+    /// proxier/Setup[ (after phase)]`: stable, unique.
+    pub id: String,
+    pub status: Status,
+    /// The packet, in kube-proxy's terms.
+    pub packet: String,
+    pub detail: String,
+}
+
+/// Where a case's client sits, by its source address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// A process on the node (a node address, loopback, or an LB IP the
+    /// node's traffic was SNATted to, which needs a free bind).
+    Node { freebind: bool },
+    Pod,
+    External,
+}
+
+fn origin(case: &Case) -> Origin {
+    match case.source_ip {
+        IpAddr::V4(ip) if is_node_local(ip) => Origin::Node { freebind: false },
+        src if src == case.dest_ip => Origin::Node { freebind: true },
+        IpAddr::V4(ip) if ip.octets()[0] == 10 => Origin::Pod,
+        _ => Origin::External,
+    }
+}
+
+pub const SERVICE_CIDR: &str = "172.30.0.0/16";
+pub const CLUSTER_CIDR: &str = "10.0.0.0/8";
+
+/// The agent flags for a setup, in ebpf-proxy's (kube-proxy's) names.
+pub fn agent_flags(setup: &Setup) -> Vec<String> {
+    let mut flags = vec!["--service-cidr".to_string(), SERVICE_CIDR.to_string()];
+    if setup.config.local_detector {
+        flags.extend(["--cluster-cidr".to_string(), CLUSTER_CIDR.to_string()]);
+    }
+    if let Some(cidrs) = &setup.config.node_port_addresses {
+        flags.extend(["--node-port-addresses".to_string(), cidrs.join(",")]);
+    }
+    if setup.config.masquerade_all {
+        flags.push("--masquerade-all".to_string());
+    }
+    flags
+}
+
+/// Every pod, client and host port the setup's phases need.
+pub fn plan(setup: &Setup) -> Plan {
+    let mut plan = Plan::default();
+    for phase in &setup.phases {
+        for obj in &phase.objects {
+            if obj["kind"].as_str() != Some("EndpointSlice") {
+                continue;
+            }
+            let ports: Vec<u16> = obj["ports"]
+                .as_sequence()
+                .into_iter()
+                .flatten()
+                .filter(|p| matches!(p["protocol"].as_str(), None | Some("TCP") | Some("UDP")))
+                .filter_map(|p| p["port"].as_u64().and_then(|n| u16::try_from(n).ok()))
+                .collect();
+            for ep in obj["endpoints"].as_sequence().into_iter().flatten() {
+                let on_test_node = ep["nodeName"].as_str() == Some(TEST_NODE);
+                for addr in ep["addresses"].as_sequence().into_iter().flatten() {
+                    let Some(ip) = addr.as_str().and_then(|s| s.parse::<Ipv4Addr>().ok()) else { continue };
+                    let spec = plan.endpoints.entry(ip).or_insert_with(|| EndpointSpec { on_test_node, ..Default::default() });
+                    spec.ports.extend(&ports);
+                }
+            }
+        }
+    }
+    // The agent serves these itself (kube-proxy's health-check servers).
+    let health_checks: BTreeSet<u16> = setup
+        .phases
+        .iter()
+        .flat_map(|p| &p.objects)
+        .filter(|o| o["kind"].as_str() == Some("Service") && o["spec"]["externalTrafficPolicy"].as_str() == Some("Local"))
+        .filter_map(|o| o["spec"]["healthCheckNodePort"].as_u64().and_then(|p| u16::try_from(p).ok()))
+        .collect();
+    for phase in &setup.phases {
+        for case in &phase.cases {
+            let (IpAddr::V4(src), IpAddr::V4(dst)) = (case.source_ip, case.dest_ip) else { continue };
+            if case.protocol == Protocol::SCTP {
+                continue;
+            }
+            if is_node_local(dst) {
+                if !health_checks.contains(&case.dest_port) {
+                    plan.host_ports.insert(case.dest_port);
+                }
+            } else if dst.octets()[0] != 10 {
+                plan.upstream_ips.insert(dst);
+                plan.upstream_ports.insert(case.dest_port);
+            }
+            if plan.endpoints.contains_key(&src) {
+                continue;
+            }
+            match origin(case) {
+                Origin::Pod => {
+                    plan.pod_clients.insert(src);
+                }
+                Origin::External => {
+                    plan.external_clients.insert(src);
+                }
+                Origin::Node { .. } => {}
+            }
+        }
+    }
+    plan
+}
+
+fn after(setup: &Setup, phase: usize) -> String {
+    if phase == 0 { String::new() } else { format!(" (after {})", setup.phases[phase].name) }
+}
+
+fn case_id(kind: &str, setup: &Setup, phase: usize, case: &Case) -> String {
+    format!("{kind}/{}{}/{} [{}]", setup.name, after(setup, phase), case.name, case.protocol)
+}
+
+fn dump_id(kind: &str, setup: &Setup, phase: usize) -> String {
+    format!("dump services: {kind}/{}{}", setup.name, after(setup, phase))
+}
+
+fn packet(case: &Case) -> String {
+    let output = if case.output.is_empty() { "\"\"" } else { &case.output };
+    format!(
+        "{} {} -> {} expect {output}{}",
+        case.protocol,
+        case.source_ip,
+        SocketAddr::new(case.dest_ip, case.dest_port),
+        if case.masq { " masqueraded" } else { "" }
+    )
+}
+
+/// Runs every case of `setup`, calling `report` as each one finishes.
+/// `netprobe` is the client binary run as a node process.
+pub fn run_setup(kind: &str, setup: &Setup, netprobe: &Path, report: &(dyn Fn(&CaseResult) + Sync)) -> Vec<CaseResult> {
+    let mut results = Vec::new();
+    let mut record = |r: CaseResult| {
+        report(&r);
+        results.push(r);
+    };
+    let packet_result = |phase: usize, case: &Case, status: Status, detail: String| CaseResult {
+        check: Check::Packet,
+        id: case_id(kind, setup, phase, case),
+        status,
+        packet: packet(case),
+        detail,
+    };
+    let dump_result = |phase: usize, status: Status, detail: String| CaseResult {
+        check: Check::Dump,
+        id: dump_id(kind, setup, phase),
+        status,
+        packet: "every frontend kind with its scope".into(),
+        detail,
+    };
+    let everything = |status: Status, detail: &str| -> Vec<CaseResult> {
+        let mut all = Vec::new();
+        for (i, phase) in setup.phases.iter().enumerate() {
+            all.push(dump_result(i, status, detail.to_string()));
+            all.extend(phase.cases.iter().map(|c| packet_result(i, c, status, detail.to_string())));
+        }
+        all
+    };
+
+    if setup.family == Family::IPv6 {
+        everything(Status::Skip, "IPv6: the datapath is IPv4-only for now").into_iter().for_each(&mut record);
+        return results;
+    }
+    let cluster = match build(setup) {
+        Ok(c) => c,
+        Err(e) => {
+            everything(Status::Fail, &format!("setup failed: {e:#}")).into_iter().for_each(&mut record);
+            return results;
+        }
+    };
+    let lacking = if cluster.unsupported_flags.is_empty() {
+        String::new()
+    } else {
+        format!(" [agent lacks {}]", cluster.unsupported_flags.join(" "))
+    };
+
+    for (i, phase) in setup.phases.iter().enumerate() {
+        if i > 0 {
+            if let Err(e) = cluster.apply(&phase.objects) {
+                let detail = format!("applying the phase failed: {e:#}");
+                record(dump_result(i, Status::Fail, detail.clone()));
+                phase.cases.iter().for_each(|c| record(packet_result(i, c, Status::Fail, detail.clone())));
+                continue;
+            }
+        }
+        let (status, detail) = check_frontends(&cluster, setup, &phase.objects);
+        record(dump_result(i, status, if status == Status::Fail { format!("{detail}{lacking}") } else { detail }));
+        for case in &phase.cases {
+            if case.protocol == Protocol::SCTP {
+                let why = "SCTP: this kernel has no SCTP module (covered by crafted packets and the VM test)";
+                record(packet_result(i, case, Status::Skip, why.into()));
+                continue;
+            }
+            let (status, detail) = run_case(&cluster, case, netprobe);
+            let detail = if status == Status::Fail { format!("{detail}{lacking}") } else { detail };
+            record(packet_result(i, case, status, detail));
+        }
+    }
+    if std::env::var_os("CONFORMANCE_AGENT_LOGS").is_some() {
+        eprintln!("{}", cluster.agent_logs());
+    }
+    results
+}
+
+/// Whether test-node's `dump services` lists every frontend the phase's
+/// objects call for, each with a scope. The agent learns node addresses
+/// from netlink after its first sync, so NodePort frontends may follow
+/// /healthz by a moment: the dump gets a few seconds to converge.
+fn check_frontends(cluster: &Cluster, setup: &Setup, objects: &[serde_yaml::Value]) -> (Status, String) {
+    let want = frontends::expected(objects, setup.config.node_port_addresses.as_deref());
+    if want.is_empty() {
+        return (Status::Skip, "no Service with a serving endpoint: nothing to list".into());
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let missing: Vec<String> = match cluster.dump_services() {
+            Ok(rows) => want.difference(&frontends::dumped(&rows)).map(|(k, f)| format!("{k} {f}")).collect(),
+            Err(e) => return (Status::Fail, format!("dump services failed: {e:#}")),
+        };
+        if missing.is_empty() {
+            return (Status::Pass, format!("all {} frontends listed", want.len()));
+        }
+        if std::time::Instant::now() > deadline {
+            return (Status::Fail, format!("missing {} of {}: {}", missing.len(), want.len(), missing.join(", ")));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+fn build(setup: &Setup) -> Result<Cluster> {
+    let mut cluster = Cluster::build(&plan(setup))?;
+    cluster.apply(&setup.phases[0].objects)?;
+    cluster.start_agents(&agent_flags(setup))?;
+    Ok(cluster)
+}
+
+fn run_case(cluster: &Cluster, case: &Case, netprobe: &Path) -> (Status, String) {
+    let expect: Expect = match case.expect() {
+        Ok(e) => e,
+        Err(e) => return (Status::Fail, format!("bad case: {e:#}")),
+    };
+    let origin = origin(case);
+    let Client::Ns(ns) = cluster.client(case.source_ip, matches!(origin, Origin::Node { .. })) else {
+        return (Status::Fail, format!("harness: no client for source {}", case.source_ip));
+    };
+    let freebind = matches!(origin, Origin::Node { freebind: true });
+    let dest = SocketAddr::new(case.dest_ip, case.dest_port);
+    // A node's own address is what masquerading would produce: not observable.
+    let masq_observable = !matches!(origin, Origin::Node { .. });
+    let node_cgroup = cluster.test_node_cgroup().filter(|_| !masq_observable);
+    let send = || match node_cgroup {
+        Some(cg) => probe::request_from_node(netprobe, cg, ns, case.protocol, case.source_ip, dest),
+        None => probe::request(ns, case.protocol, case.source_ip, freebind, dest),
+    };
+    match verdict::judge(&expect, case, masq_observable, send) {
+        Ok(seen) => (Status::Pass, seen),
+        Err(why) if matches!(origin, Origin::Node { .. }) => {
+            (Status::Fail, format!("{why} (sent by a process on the node: needs the socket-level hooks)"))
+        }
+        Err(why) => (Status::Fail, why),
+    }
+}
