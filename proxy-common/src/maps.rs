@@ -148,6 +148,11 @@ pub const CT_REPLY: u8 = 1;
 /// packet for SNAT at egress. On a REPLY entry keyed by the SNAT address and
 /// port: also send the reply back to `rev_addr:rev_port`, the real client.
 pub const CT_MASQUERADE: u8 = 1 << 0;
+/// A FIN or RST went through this direction: once idle for
+/// `CT_CLOSING_TIMEOUT_NS` the entry counts as gone, so a later flow that
+/// reuses the tuple (or the SNAT port) starts afresh.
+pub const CT_CLOSING: u8 = 1 << 1;
+pub const CT_CLOSING_TIMEOUT_NS: u64 = 10_000_000_000;
 
 #[repr(C)]
 #[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]

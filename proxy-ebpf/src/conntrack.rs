@@ -1,23 +1,35 @@
 //! Conntrack: an LRU map with one entry per direction of each flow, plus a
 //! third for a masqueraded flow's reply (keyed by the SNAT address and port).
 
-use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_NOEXIST},
-    helpers::bpf_ktime_get_ns,
+use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_ns};
+use proxy_common::{
+    Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, CtEntry, CtKey, ServiceEntry,
 };
-use proxy_common::{Addr, Backend, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, CtEntry, CtKey, ServiceEntry};
 
-use crate::maps::CONNTRACK;
+use crate::maps::{CONNTRACK, SNAT};
 
+/// The entry of a live flow: an entry whose connection closed and then went
+/// quiet counts as gone (TCP flows have no other end in an LRU map).
 #[inline(always)]
 pub fn lookup(tuple: &CtKey) -> Option<&CtEntry> {
-    unsafe { CONNTRACK.get(tuple) }
+    unsafe { CONNTRACK.get(tuple) }.filter(|e| is_live(e))
 }
 
 #[inline(always)]
-pub fn touch(tuple: &CtKey) {
+fn is_live(e: &CtEntry) -> bool {
+    e.flags & CT_CLOSING == 0 || unsafe { bpf_ktime_get_ns() }.saturating_sub(e.last_seen_ns) < CT_CLOSING_TIMEOUT_NS
+}
+
+/// Another packet of the flow; `closing` when it carries a FIN or RST.
+#[inline(always)]
+pub fn touch(tuple: &CtKey, closing: bool) {
     if let Some(e) = CONNTRACK.get_ptr_mut(tuple) {
-        unsafe { (*e).last_seen_ns = bpf_ktime_get_ns() };
+        unsafe {
+            (*e).last_seen_ns = bpf_ktime_get_ns();
+            if closing {
+                (*e).flags |= CT_CLOSING;
+            }
+        }
     }
 }
 
@@ -49,7 +61,14 @@ pub fn create(tuple: &CtKey, service: &ServiceEntry, backend_id: u32, backend: &
     entry.nat_port = backend.port;
     entry.direction = CT_ORIGINAL;
     entry.flags = flags;
-    CONNTRACK.insert(tuple, &entry, BPF_ANY as u64)
+    CONNTRACK.insert(tuple, &entry, BPF_ANY as u64)?;
+    if flags & CT_MASQUERADE != 0 {
+        // A SNAT choice left by an earlier flow with this tuple would send
+        // this one's replies to that flow's frontend: egress chooses afresh.
+        let after_dnat = CtKey { dst: backend.addr, dport: backend.port, ..*tuple };
+        let _ = SNAT.remove(&after_dnat);
+    }
+    Ok(())
 }
 
 /// Claims `snat_key` (backend -> SNAT address:port) for a masqueraded flow's
@@ -67,5 +86,9 @@ pub fn claim_snat_reply(snat_key: &CtKey, plain_reply: &CtEntry, client: &Addr, 
         last_seen_ns: now,
         ..*plain_reply
     };
-    CONNTRACK.insert(snat_key, &entry, BPF_NOEXIST as u64)
+    // The reply entries are the port table: a live one is another flow's.
+    if lookup(snat_key).is_some() {
+        return Err(-1);
+    }
+    CONNTRACK.insert(snat_key, &entry, BPF_ANY as u64)
 }

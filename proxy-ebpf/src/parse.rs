@@ -19,6 +19,27 @@ pub struct Packet {
     /// covers everything from `l4_off` to here.
     pub l4_end: usize,
     pub proto: u8,
+    /// TCP flags (0 for other protocols).
+    pub tcp_flags: u8,
+}
+
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
+
+impl Packet {
+    /// A TCP SYN without ACK: a client opening a connection.
+    #[inline(always)]
+    pub fn opens_connection(&self) -> bool {
+        self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+
+    /// A TCP FIN or RST: this direction of the connection is ending.
+    #[inline(always)]
+    pub fn closes_connection(&self) -> bool {
+        self.tcp_flags & (TCP_FIN | TCP_RST) != 0
+    }
 }
 
 // Inlined: as a subprogram its stack frame would add to tc_egress's, past
@@ -60,6 +81,7 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
     let dst: [u8; 4] = ctx.load(l3_off + 16).map_err(|_| Counter::Malformed)?;
     let sport: u16 = ctx.load(l4_off).map_err(|_| Counter::Malformed)?;
     let dport: u16 = ctx.load(l4_off + 2).map_err(|_| Counter::Malformed)?;
+    let tcp_flags: u8 = if proto == IPPROTO_TCP { ctx.load(l4_off + 13).map_err(|_| Counter::Malformed)? } else { 0 };
     Ok(Packet {
         tuple: CtKey {
             src: Addr::from_v4_octets(src),
@@ -74,5 +96,6 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
         l4_csum_off: l4_off + csum_field,
         l4_end: l3_off + total_len,
         proto,
+        tcp_flags,
     })
 }
