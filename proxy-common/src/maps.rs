@@ -13,7 +13,7 @@ pub const MAP_COUNTERS: &str = "COUNTERS";
 
 pub const MAX_FRONTENDS: u32 = 262_144;
 pub const MAX_BACKEND_SLOTS: u32 = 1_048_576;
-pub const MAX_BACKENDS: u32 = 262_144;
+pub const MAX_BACKENDS: u32 = 1_048_576;
 pub const MAX_CONNTRACK: u32 = 131_072;
 pub const MAX_SERVICE_NAMES: u32 = 262_144;
 

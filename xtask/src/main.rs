@@ -26,8 +26,8 @@ enum Command {
     Test(test::Options),
     /// Build the agent and run the demo topology (needs root).
     Demo,
-    /// Benchmarks (not implemented yet).
-    Bench,
+    /// Benchmarks against kube-proxy's rule sets; writes docs/benchmarks.md (needs root).
+    Bench(bench::Options),
 }
 
 fn main() -> ExitCode {
@@ -35,7 +35,7 @@ fn main() -> ExitCode {
         Command::Build(opts) => build::run(&opts),
         Command::Test(opts) => test::run(&opts),
         Command::Demo => demo::run(),
-        Command::Bench => return bench::run(),
+        Command::Bench(opts) => bench::run(&opts),
     };
     match result {
         Ok(code) => code,
