@@ -37,9 +37,22 @@ pub struct SyncRow {
     pub endpoints: usize,
     pub to_healthy: Duration,
     pub agent_sync: Option<Duration>,
+    /// From the agent's log timestamps: BPF object loaded, manifests read
+    /// and parsed, first sync done — each measured from the previous step.
+    pub phases: Option<Phases>,
     pub rss_mib: f64,
     pub hwm_mib: f64,
     pub map_mib: f64,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Phases {
+    /// Process start to "dataplane loaded".
+    pub load: Duration,
+    /// "dataplane loaded" to "manifests read".
+    pub read: Duration,
+    /// "manifests read" to the first "sync done".
+    pub sync: Duration,
 }
 
 #[derive(Clone, Debug)]
@@ -51,6 +64,19 @@ pub struct ChangeRow {
     pub max: Duration,
     pub agent_sync_p50: Option<Duration>,
     pub agent_sync_p99: Option<Duration>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_timestamps_parse() {
+        let t = log_time("2026-11-21T12:12:33.678752Z  INFO proxy_user::agent: sync done").unwrap();
+        // date -u -d 2026-11-21T12:12:33Z +%s
+        assert!((t - 1_795_263_153.678752).abs() < 1e-6, "{t}");
+        assert_eq!(log_time("no timestamp here"), None);
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -71,6 +97,7 @@ pub fn run(work: &Path, changes: usize) -> Result<Results> {
         let bpffs = Bpffs::new("bench-cp")?;
         let root = bpffs.path().join("ebpf-proxy");
         let started = Instant::now();
+        let started_wall = std::time::SystemTime::now();
         let mut agent = Agent::start(&ns, &dir, &root, &[])?;
         agent.wait_healthy(&ns, Duration::from_secs(600))?;
         let to_healthy = started.elapsed();
@@ -82,6 +109,7 @@ pub fn run(work: &Path, changes: usize) -> Result<Results> {
             endpoints: set.services.iter().map(|s| s.endpoints.len()).sum(),
             to_healthy,
             agent_sync: syncs.first().copied(),
+            phases: phases(&agent.logs(), started_wall),
             rss_mib,
             hwm_mib,
             map_mib: map_memory(pid)? as f64 / (1024.0 * 1024.0),
@@ -174,6 +202,33 @@ fn agent_syncs(log: &str) -> Vec<Duration> {
             digits.parse().ok().map(Duration::from_micros)
         })
         .collect()
+}
+
+/// Seconds since the Unix epoch of a log line's RFC 3339 UTC timestamp
+/// (`2026-11-21T12:12:33.678752Z ...`), the agent's default log format.
+fn log_time(line: &str) -> Option<f64> {
+    let ts = line.split_whitespace().next()?.strip_suffix('Z')?;
+    let (date, time) = ts.split_once('T')?;
+    let mut d = date.split('-').map(|v| v.parse::<i64>());
+    let (y, m, day) = (d.next()?.ok()?, d.next()?.ok()?, d.next()?.ok()?);
+    let mut t = time.split(':');
+    let (h, min, sec) = (t.next()?.parse::<f64>().ok()?, t.next()?.parse::<f64>().ok()?, t.next()?.parse::<f64>().ok()?);
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days as f64 * 86_400.0 + h * 3600.0 + min * 60.0 + sec)
+}
+
+fn phases(log: &str, started: std::time::SystemTime) -> Option<Phases> {
+    let at = |needle: &str| log.lines().find(|l| l.contains(needle)).and_then(log_time);
+    let start = started.duration_since(std::time::UNIX_EPOCH).ok()?.as_secs_f64();
+    let (loaded, read, synced) = (at("dataplane loaded")?, at("manifests read")?, at("sync done")?);
+    let d = |a: f64, b: f64| Duration::from_secs_f64((b - a).max(0.0));
+    Some(Phases { load: d(start, loaded), read: d(loaded, read), sync: d(read, synced) })
 }
 
 /// The agent process: the one whose command line holds its bpffs root.
