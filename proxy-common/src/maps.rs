@@ -10,12 +10,35 @@ pub const MAP_BACKENDS: &str = "BACKENDS";
 pub const MAP_CONNTRACK: &str = "CONNTRACK";
 pub const MAP_SERVICE_NAMES: &str = "SERVICE_NAMES";
 pub const MAP_COUNTERS: &str = "COUNTERS";
+pub const MAP_SNAT: &str = "SNAT";
+pub const MAP_SNAT_ADDRS: &str = "SNAT_ADDRS";
+pub const MAP_CLUSTER_CIDRS: &str = "CLUSTER_CIDRS";
+pub const MAP_SERVICE_CIDRS: &str = "SERVICE_CIDRS";
+pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
+pub const MAP_AFFINITY: &str = "AFFINITY";
 
 pub const MAX_FRONTENDS: u32 = 262_144;
 pub const MAX_BACKEND_SLOTS: u32 = 1_048_576;
 pub const MAX_BACKENDS: u32 = 1_048_576;
 pub const MAX_CONNTRACK: u32 = 131_072;
 pub const MAX_SERVICE_NAMES: u32 = 262_144;
+pub const MAX_SNAT: u32 = MAX_CONNTRACK;
+pub const MAX_SNAT_ADDRS: u32 = 1024;
+pub const MAX_CIDRS: u32 = 256;
+pub const MAX_SOURCE_RANGES: u32 = 65_536;
+pub const MAX_AFFINITY: u32 = 65_536;
+
+/// Set on a packet at ingress when its flow must be masqueraded; the egress
+/// program does the SNAT once routing has chosen the interface, and clears it.
+/// Not kube-proxy's 0x4000, so leftover kube-proxy rules during a migration
+/// cannot masquerade a packet twice.
+pub const MASQUERADE_MARK: u32 = 0x0020_0000;
+/// Set at ingress on a reply whose source must become the service frontend
+/// again; the egress program rewrites it. Done after routing, as netfilter
+/// does (POSTROUTING), because the frontend may be a node address (NodePort,
+/// an ExternalIP on the node) and a packet arriving with a local source
+/// address is dropped by the kernel as martian.
+pub const REVERSE_NAT_MARK: u32 = 0x0040_0000;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
@@ -25,6 +48,11 @@ pub const IPPROTO_SCTP: u8 = 132;
 /// per scope (traffic policies); the datapath only classifies the source.
 pub const SCOPE_INTERNAL: u8 = 0;
 pub const SCOPE_EXTERNAL: u8 = 1;
+
+/// Which endpoints a backend set holds (kube-proxy's cluster and local
+/// policy chains): every usable one, or only this node's.
+pub const POLICY_CLUSTER: u8 = 0;
+pub const POLICY_LOCAL: u8 = 1;
 
 /// A service frontend: the destination a client dials.
 #[repr(C)]
@@ -43,6 +71,22 @@ pub const KIND_NODE_PORT: u8 = 1;
 pub const KIND_EXTERNAL_IP: u8 = 2;
 pub const KIND_LOAD_BALANCER: u8 = 3;
 
+/// `ServiceEntry::flags`: decisions the model made for this frontend and scope.
+/// New flows are masqueraded (externalTrafficPolicy=Cluster, a ClusterIP
+/// reached from outside the cluster CIDR, --masquerade-all).
+pub const SVC_MASQUERADE: u8 = 1 << 0;
+/// Only sources in `SOURCE_RANGES` under this service ID may open flows.
+pub const SVC_SOURCE_RANGES: u8 = 1 << 1;
+/// No backend here but the service has endpoints elsewhere (a Local traffic
+/// policy with no local endpoint): kube-proxy drops rather than rejects.
+pub const SVC_DROP_IF_EMPTY: u8 = 1 << 2;
+
+/// A frontend key with port 0 and protocol 0 marks an address as a ClusterIP
+/// in use: packets to a port it does not serve are rejected.
+pub const fn cluster_ip_marker(addr: Addr) -> FrontendKey {
+    FrontendKey { addr, port: 0, proto: 0, scope: SCOPE_INTERNAL }
+}
+
 #[repr(C)]
 #[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
 pub struct ServiceEntry {
@@ -51,8 +95,10 @@ pub struct ServiceEntry {
     /// Slots 0..backend_count are filled; 0 means no usable endpoint.
     pub backend_count: u32,
     pub kind: u8,
+    /// SVC_* flags.
     pub flags: u8,
     pub _pad: u16,
+    /// sessionAffinity ClientIP: seconds a client sticks to its backend; 0 = none.
     pub affinity_timeout_s: u32,
 }
 
@@ -96,21 +142,76 @@ pub struct CtKey {
 pub const CT_ORIGINAL: u8 = 0;
 pub const CT_REPLY: u8 = 1;
 
+/// `CtEntry::flags`: the flow is masqueraded. On an ORIGINAL entry: mark each
+/// packet for SNAT at egress. On a REPLY entry keyed by the SNAT address and
+/// port: also send the reply back to `rev_addr:rev_port`, the real client.
+pub const CT_MASQUERADE: u8 = 1 << 0;
+
 #[repr(C)]
 #[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
 pub struct CtEntry {
     /// ORIGINAL: rewrite the destination to `nat_addr:nat_port` (the backend).
     /// REPLY: rewrite the source to `nat_addr:nat_port` (the frontend).
     pub nat_addr: Addr,
+    /// REPLY of a masqueraded flow: rewrite the destination to this (the client).
+    pub rev_addr: Addr,
     pub nat_port: u16,
+    pub rev_port: u16,
     pub direction: u8,
-    pub _pad: u8,
+    pub flags: u8,
+    pub _pad: u16,
     pub service_id: u32,
     /// The backend chosen; an ORIGINAL entry whose backend is gone is re-balanced.
     pub backend_id: u32,
-    pub _pad2: u32,
     /// bpf_ktime_get_ns() at creation and at the last packet.
     pub created_ns: u64,
+    pub last_seen_ns: u64,
+}
+
+/// The source a masqueraded flow leaves with, keyed by the flow's tuple after
+/// DNAT (client -> backend), as the egress program sees it.
+#[repr(C)]
+#[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
+pub struct SnatEntry {
+    pub addr: Addr,
+    /// Network byte order.
+    pub port: u16,
+    pub _pad: [u8; 6],
+}
+
+/// An address or prefix in an LPM trie (IPv4 as IPv4-mapped: /n is 96 + n).
+#[repr(C)]
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default)]
+pub struct CidrData {
+    pub addr: Addr,
+}
+
+/// loadBalancerSourceRanges: service ID (always matched in full) then prefix.
+#[repr(C)]
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default)]
+pub struct SourceRangeData {
+    pub service_id: u32,
+    pub addr: Addr,
+}
+
+/// LPM prefix length of an IPv4 /n stored IPv4-mapped.
+pub const fn v4_prefix_len(n: u32) -> u32 {
+    96 + n
+}
+
+/// sessionAffinity ClientIP: which backend a client of a service stuck to.
+#[repr(C)]
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, Default)]
+pub struct AffinityKey {
+    pub service_id: u32,
+    pub client: Addr,
+}
+
+#[repr(C)]
+#[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
+pub struct AffinityEntry {
+    pub backend_id: u32,
+    pub _pad: u32,
     pub last_seen_ns: u64,
 }
 
@@ -121,21 +222,22 @@ pub const SERVICE_NAME_LEN: usize = 248;
 #[derive(Copy, Clone)]
 pub struct ServiceName {
     pub len: u32,
-    pub scope: u8,
+    /// POLICY_CLUSTER or POLICY_LOCAL: which endpoints the set holds.
+    pub policy: u8,
     pub _pad: [u8; 3],
     pub bytes: [u8; SERVICE_NAME_LEN],
 }
 
 impl ServiceName {
     /// Longer names are cut at a character boundary.
-    pub fn new(name: &str, scope: u8) -> Self {
+    pub fn new(name: &str, policy: u8) -> Self {
         let mut end = name.len().min(SERVICE_NAME_LEN);
         while !name.is_char_boundary(end) {
             end -= 1;
         }
         let mut bytes = [0u8; SERVICE_NAME_LEN];
         bytes[..end].copy_from_slice(&name.as_bytes()[..end]);
-        ServiceName { len: end as u32, scope, _pad: [0; 3], bytes }
+        ServiceName { len: end as u32, policy, _pad: [0; 3], bytes }
     }
 
     pub fn as_str(&self) -> &str {
@@ -143,6 +245,22 @@ impl ServiceName {
         core::str::from_utf8(&self.bytes[..len]).unwrap_or("<invalid name>")
     }
 }
+
+/// What `tc_trace` reports (into its own, unpinned `TRACE_REPORT` map).
+#[repr(C)]
+#[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
+pub struct TraceReport {
+    /// Every counter the packet would have moved: bit n = counter n.
+    pub counters: u32,
+    /// The service and backend it reached (0: none).
+    pub service_id: u32,
+    pub backend_id: u32,
+    /// The source scope (SCOPE_*), or TRACE_FROM_CONNTRACK for a tracked flow.
+    pub how: u32,
+}
+
+pub const TRACE_FROM_CONNTRACK: u32 = 0x100;
+pub const MAP_TRACE_REPORT: &str = "TRACE_REPORT";
 
 /// Indexes into the per-CPU `COUNTERS` array.
 #[repr(u32)]
@@ -168,11 +286,30 @@ pub enum Counter {
     Rebalanced = 8,
     /// A checksum/store helper failed: dropped rather than sent corrupt.
     RewriteFailed = 9,
+    /// Rejected (ICMP port unreachable): no endpoint, or a ClusterIP port not served.
+    Rejected = 10,
+    /// Dropped: an unallocated address in the service CIDR.
+    DropUnallocated = 11,
+    /// Dropped: source outside loadBalancerSourceRanges.
+    DropSourceRange = 12,
+    /// Dropped: Local traffic policy with no local endpoint.
+    DropNoLocal = 13,
+    /// New flow masqueraded (SNAT to a node address at egress).
+    Masqueraded = 14,
+    /// Egress could not rewrite a marked packet's source (no SNAT address or
+    /// port free, or the flow's conntrack entry vanished): sent as it was.
+    SnatFailed = 15,
+    /// New flow sent to the backend its client sticks to (sessionAffinity).
+    AffinityHit = 16,
+    /// A reject could not be built: the packet was dropped instead.
+    RejectFailed = 17,
 }
 
-pub const COUNTER_NAMES: [&str; 10] = [
+pub const COUNTER_NAMES: [&str; 18] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",
-    "fragment", "rebalanced", "rewrite_failed",
+    "fragment", "rebalanced", "rewrite_failed", "rejected", "drop_unallocated",
+    "drop_source_range", "drop_no_local", "masqueraded", "snat_failed", "affinity_hit",
+    "reject_failed",
 ];
 pub const MAX_COUNTERS: u32 = COUNTER_NAMES.len() as u32;
 
@@ -187,6 +324,13 @@ mod pod {
     unsafe impl aya::Pod for CtKey {}
     unsafe impl aya::Pod for CtEntry {}
     unsafe impl aya::Pod for ServiceName {}
+    unsafe impl aya::Pod for Addr {}
+    unsafe impl aya::Pod for TraceReport {}
+    unsafe impl aya::Pod for SnatEntry {}
+    unsafe impl aya::Pod for CidrData {}
+    unsafe impl aya::Pod for SourceRangeData {}
+    unsafe impl aya::Pod for AffinityKey {}
+    unsafe impl aya::Pod for AffinityEntry {}
 }
 
 #[cfg(test)]
@@ -203,14 +347,19 @@ mod tests {
         assert_eq!(size_of::<SlotKey>(), 8);
         assert_eq!(size_of::<Backend>(), 20);
         assert_eq!(size_of::<CtKey>(), 40);
-        assert_eq!(size_of::<CtEntry>(), 48);
+        assert_eq!(size_of::<CtEntry>(), 64);
+        assert_eq!(size_of::<SnatEntry>(), 24);
+        assert_eq!(size_of::<CidrData>(), 16);
+        assert_eq!(size_of::<SourceRangeData>(), 20);
+        assert_eq!(size_of::<AffinityKey>(), 20);
+        assert_eq!(size_of::<AffinityEntry>(), 16);
         assert_eq!(size_of::<ServiceName>(), 8 + SERVICE_NAME_LEN);
     }
 
     #[test]
     fn service_name_cuts_at_char_boundary() {
         let long = "é".repeat(200);
-        let n = ServiceName::new(&long, SCOPE_INTERNAL);
+        let n = ServiceName::new(&long, POLICY_CLUSTER);
         assert!(n.as_str().len() <= SERVICE_NAME_LEN);
         assert!(n.as_str().chars().all(|c| c == 'é'));
         assert_eq!(ServiceName::new("default/web:http", 0).as_str(), "default/web:http");

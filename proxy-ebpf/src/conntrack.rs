@@ -1,13 +1,17 @@
-//! Conntrack: an LRU map with one entry per direction of each flow.
+//! Conntrack: an LRU map with one entry per direction of each flow, plus a
+//! third for a masqueraded flow's reply (keyed by the SNAT address and port).
 
-use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_ns};
-use proxy_common::{Backend, CT_ORIGINAL, CT_REPLY, CtEntry, CtKey, ServiceEntry};
+use aya_ebpf::{
+    bindings::{BPF_ANY, BPF_NOEXIST},
+    helpers::bpf_ktime_get_ns,
+};
+use proxy_common::{Addr, Backend, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, CtEntry, CtKey, ServiceEntry};
 
 use crate::maps::CONNTRACK;
 
 #[inline(always)]
-pub fn lookup(tuple: &CtKey) -> Option<CtEntry> {
-    unsafe { CONNTRACK.get(tuple) }.copied()
+pub fn lookup(tuple: &CtKey) -> Option<&CtEntry> {
+    unsafe { CONNTRACK.get(tuple) }
 }
 
 #[inline(always)]
@@ -17,35 +21,51 @@ pub fn touch(tuple: &CtKey) {
     }
 }
 
+/// The tuple a reply from `backend` to the original sender carries.
+#[inline(always)]
+pub fn reply_key(tuple: &CtKey, backend: &Addr, backend_port: u16) -> CtKey {
+    CtKey { src: *backend, dst: tuple.src, sport: backend_port, dport: tuple.sport, proto: tuple.proto, _pad: [0; 3] }
+}
+
 /// Records both directions: the original (client -> frontend, translated to
 /// the backend) and the reply (backend -> client, translated back).
 #[inline(always)]
-pub fn create(tuple: &CtKey, service: &ServiceEntry, backend_id: u32, backend: &Backend) -> Result<(), i32> {
+pub fn create(tuple: &CtKey, service: &ServiceEntry, backend_id: u32, backend: &Backend, flags: u8) -> Result<(), i32> {
     let now = unsafe { bpf_ktime_get_ns() };
-    let original = CtEntry {
-        nat_addr: backend.addr,
-        nat_port: backend.port,
-        direction: CT_ORIGINAL,
+    // One value on the stack, reused: the BPF stack is small.
+    let mut entry = CtEntry {
+        nat_addr: tuple.dst,
+        nat_port: tuple.dport,
+        direction: CT_REPLY,
         service_id: service.service_id,
         backend_id,
         created_ns: now,
         last_seen_ns: now,
         ..Default::default()
     };
-    let reply_key = CtKey {
-        src: backend.addr,
-        dst: tuple.src,
-        sport: backend.port,
-        dport: tuple.sport,
-        proto: tuple.proto,
-        _pad: [0; 3],
+    // The reply entry first, so a reply can never miss its translation.
+    CONNTRACK.insert(&reply_key(tuple, &backend.addr, backend.port), &entry, BPF_ANY as u64)?;
+    entry.nat_addr = backend.addr;
+    entry.nat_port = backend.port;
+    entry.direction = CT_ORIGINAL;
+    entry.flags = flags;
+    CONNTRACK.insert(tuple, &entry, BPF_ANY as u64)
+}
+
+/// Claims `snat_key` (backend -> SNAT address:port) for a masqueraded flow's
+/// replies; fails if another flow holds it, so the caller tries another port.
+/// `plain_reply` is the flow's ordinary reply entry (it names the frontend);
+/// `client` is where the replies really go.
+#[inline(always)]
+pub fn claim_snat_reply(snat_key: &CtKey, plain_reply: &CtEntry, client: &Addr, client_port: u16) -> Result<(), i32> {
+    let now = unsafe { bpf_ktime_get_ns() };
+    let entry = CtEntry {
+        rev_addr: *client,
+        rev_port: client_port,
+        flags: CT_MASQUERADE,
+        created_ns: now,
+        last_seen_ns: now,
+        ..*plain_reply
     };
-    let reply = CtEntry {
-        nat_addr: tuple.dst,
-        nat_port: tuple.dport,
-        direction: CT_REPLY,
-        ..original
-    };
-    CONNTRACK.insert(&reply_key, &reply, BPF_ANY as u64)?;
-    CONNTRACK.insert(tuple, &original, BPF_ANY as u64)
+    CONNTRACK.insert(snat_key, &entry, BPF_NOEXIST as u64)
 }

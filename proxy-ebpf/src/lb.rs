@@ -1,34 +1,94 @@
-//! Frontend lookup and backend choice: hash lookups only, so the cost per
-//! packet does not grow with the number of services.
+//! Frontend lookup and backend choice: hash and LPM lookups only, so the cost
+//! per packet does not grow with the number of services. Every policy was
+//! decided by the agent; here the packet's source only picks the scope.
 
-use aya_ebpf::helpers::bpf_get_prandom_u32;
-use proxy_common::{Backend, CtEntry, CtKey, FrontendKey, SCOPE_INTERNAL, ServiceEntry, SlotKey};
+use aya_ebpf::{
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    maps::lpm_trie::Key,
+};
+use proxy_common::{
+    Addr, AffinityEntry, AffinityKey, Backend, CidrData, CtEntry, CtKey, FrontendKey, SCOPE_EXTERNAL,
+    SCOPE_INTERNAL, ServiceEntry, SlotKey, SourceRangeData, cluster_ip_marker,
+};
 
-use crate::maps::{BACKEND_SLOTS, BACKENDS, FRONTENDS};
+use crate::maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, CLUSTER_CIDRS, FRONTENDS, SERVICE_CIDRS, SOURCE_RANGES};
 
-#[inline(always)]
-pub fn lookup_frontend(tuple: &CtKey) -> Option<ServiceEntry> {
-    let key = FrontendKey {
-        addr: tuple.dst,
-        port: tuple.dport,
-        proto: tuple.proto,
-        // Every client is in-cluster until source classification lands with
-        // the traffic policies.
-        scope: SCOPE_INTERNAL,
-    };
-    unsafe { FRONTENDS.get(&key) }.copied()
+const FULL_PREFIX: u32 = 128;
+
+/// What to do with a packet that opens no flow to a backend.
+pub enum Miss {
+    /// Not a service address: leave it to the kernel.
+    NotOurs,
+    /// A ClusterIP on a port it does not serve.
+    Reject,
+    /// An unallocated address in the service CIDR.
+    DropUnallocated,
 }
 
-/// A random slot of the service's backend set.
+/// In-cluster sources (pods, per --cluster-cidr) and the rest see different
+/// frontends when a traffic policy or masquerade rule tells them apart.
 #[inline(always)]
-pub fn choose_backend(service: &ServiceEntry) -> Option<(u32, Backend)> {
+pub fn scope_of(src: &Addr) -> u8 {
+    let key = Key::new(FULL_PREFIX, CidrData { addr: *src });
+    if CLUSTER_CIDRS.get(&key).is_some() { SCOPE_INTERNAL } else { SCOPE_EXTERNAL }
+}
+
+#[inline(always)]
+pub fn lookup_frontend(tuple: &CtKey, scope: u8) -> Result<ServiceEntry, Miss> {
+    let key = FrontendKey { addr: tuple.dst, port: tuple.dport, proto: tuple.proto, scope };
+    if let Some(service) = unsafe { FRONTENDS.get(&key) } {
+        return Ok(*service);
+    }
+    if unsafe { FRONTENDS.get(&cluster_ip_marker(tuple.dst)) }.is_some() {
+        return Err(Miss::Reject);
+    }
+    if SERVICE_CIDRS.get(&Key::new(FULL_PREFIX, CidrData { addr: tuple.dst })).is_some() {
+        return Err(Miss::DropUnallocated);
+    }
+    Err(Miss::NotOurs)
+}
+
+/// loadBalancerSourceRanges, for the frontends the agent flagged.
+#[inline(always)]
+pub fn source_allowed(service: &ServiceEntry, src: &Addr) -> bool {
+    let key = Key::new(32 + FULL_PREFIX, SourceRangeData { service_id: service.service_id, addr: *src });
+    SOURCE_RANGES.get(&key).is_some()
+}
+
+/// The client's sticky backend if it is recent and still exists, else a
+/// random slot of the service's backend set (remembered for affinity unless
+/// `remember` is false: a trace must not change state).
+#[inline(always)]
+pub fn choose_backend(service: &ServiceEntry, client: &Addr, remember_choice: bool) -> Option<(u32, Backend, bool)> {
     if service.backend_count == 0 {
         return None;
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
+    let affinity = AffinityKey { service_id: service.service_id, client: *client };
+    if service.affinity_timeout_s != 0 {
+        if let Some(stuck) = unsafe { AFFINITY.get(&affinity) } {
+            let fresh = now.saturating_sub(stuck.last_seen_ns) < service.affinity_timeout_s as u64 * 1_000_000_000;
+            if fresh && let Some(backend) = unsafe { BACKENDS.get(&stuck.backend_id) } {
+                let found = (stuck.backend_id, *backend, true);
+                if remember_choice {
+                    remember(&affinity, found.0, now);
+                }
+                return Some(found);
+            }
+        }
     }
     let slot = unsafe { bpf_get_prandom_u32() } % service.backend_count;
     let backend_id = *unsafe { BACKEND_SLOTS.get(&SlotKey { service_id: service.service_id, slot }) }?;
     let backend = *unsafe { BACKENDS.get(&backend_id) }?;
-    Some((backend_id, backend))
+    if service.affinity_timeout_s != 0 && remember_choice {
+        remember(&affinity, backend_id, now);
+    }
+    Some((backend_id, backend, false))
+}
+
+#[inline(always)]
+fn remember(key: &AffinityKey, backend_id: u32, now: u64) {
+    let _ = AFFINITY.insert(key, &AffinityEntry { backend_id, _pad: 0, last_seen_ns: now }, 0);
 }
 
 /// A conntrack entry is only as good as its backend: if the agent removed or

@@ -11,9 +11,17 @@ mod lb;
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
+mod masquerade;
+#[cfg(target_arch = "bpf")]
 mod nat;
 #[cfg(target_arch = "bpf")]
 mod parse;
+#[cfg(target_arch = "bpf")]
+mod reject;
+#[cfg(target_arch = "bpf")]
+mod skb;
+#[cfg(target_arch = "bpf")]
+mod trace;
 
 #[cfg(target_arch = "bpf")]
 mod program {
@@ -22,65 +30,187 @@ mod program {
         macros::classifier,
         programs::TcContext,
     };
-    use proxy_common::{CT_ORIGINAL, CT_REPLY, Counter};
+    use proxy_common::{
+        CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, MASQUERADE_MARK, REVERSE_NAT_MARK, SVC_DROP_IF_EMPTY,
+        SVC_MASQUERADE, SVC_SOURCE_RANGES,
+    };
 
-    use crate::{conntrack, lb, maps::count, nat, parse};
+    use crate::{
+        conntrack,
+        lb::{self, Miss},
+        maps::count,
+        masquerade, nat, parse, reject, trace,
+    };
 
     /// Leaves the packet to whatever runs next (TCX_NEXT / TC_ACT_UNSPEC).
     const NOT_OURS: i32 = TC_ACT_UNSPEC;
+    const DROP: i32 = TC_ACT_SHOT as i32;
 
     #[classifier]
     pub fn tc_ingress(ctx: TcContext) -> i32 {
-        let pkt = match parse::parse(&ctx) {
+        ingress::<false>(&ctx)
+    }
+
+    /// `ebpf-proxy trace`: the same decisions on a synthetic packet (run with
+    /// BPF_PROG_TEST_RUN), reported instead of counted, and without touching
+    /// conntrack or affinity.
+    #[classifier]
+    pub fn tc_trace(ctx: TcContext) -> i32 {
+        ingress::<true>(&ctx)
+    }
+
+    #[inline(always)]
+    fn ingress<const TRACE: bool>(ctx: &TcContext) -> i32 {
+        let pkt = match parse::parse(ctx) {
             Ok(pkt) => pkt,
             Err(reason) => {
-                count(reason);
+                note::<TRACE>(ctx, reason);
                 return NOT_OURS;
             }
         };
 
         // A known flow: one lookup finds its translation in either direction.
         if let Some(ct) = conntrack::lookup(&pkt.tuple) {
+            trace::record::<TRACE>(ct.service_id, ct.backend_id, trace::FROM_CONNTRACK);
             match ct.direction {
                 CT_REPLY => {
-                    conntrack::touch(&pkt.tuple);
-                    return verdict(nat::rewrite_src(&ctx, &pkt, &ct.nat_addr, ct.nat_port), Counter::Reply);
+                    if !TRACE {
+                        conntrack::touch(&pkt.tuple);
+                    }
+                    let mut done = Ok(());
+                    if ct.flags & CT_MASQUERADE != 0 {
+                        // Addressed to the SNAT address and port: back to the client.
+                        done = nat::rewrite_dst(ctx, &pkt, &ct.rev_addr, ct.rev_port);
+                    }
+                    // The source becomes the frontend at egress, after routing.
+                    set_mark(ctx, REVERSE_NAT_MARK);
+                    return verdict::<TRACE>(ctx, done, Counter::Reply);
                 }
-                CT_ORIGINAL if lb::backend_still_matches(&ct) => {
-                    conntrack::touch(&pkt.tuple);
-                    return verdict(nat::rewrite_dst(&ctx, &pkt, &ct.nat_addr, ct.nat_port), Counter::Established);
+                CT_ORIGINAL if lb::backend_still_matches(ct) => {
+                    if !TRACE {
+                        conntrack::touch(&pkt.tuple);
+                    }
+                    if ct.flags & CT_MASQUERADE != 0 {
+                        set_mark(ctx, MASQUERADE_MARK);
+                    }
+                    return verdict::<TRACE>(ctx, nat::rewrite_dst(ctx, &pkt, &ct.nat_addr, ct.nat_port), Counter::Established);
                 }
                 // The backend is gone: choose again below, so the flow moves to a
                 // live backend instead of black-holing.
-                _ => count(Counter::Rebalanced),
+                _ => note::<TRACE>(ctx, Counter::Rebalanced),
             }
         }
 
-        let Some(service) = lb::lookup_frontend(&pkt.tuple) else {
-            count(Counter::Passed);
+        let scope = lb::scope_of(&pkt.tuple.src);
+        let service = match lb::lookup_frontend(&pkt.tuple, scope) {
+            Ok(service) => service,
+            Err(Miss::NotOurs) => {
+                note::<TRACE>(ctx, Counter::Passed);
+                return NOT_OURS;
+            }
+            Err(Miss::Reject) => return reject_packet::<TRACE>(ctx, &pkt),
+            Err(Miss::DropUnallocated) => {
+                note::<TRACE>(ctx, Counter::DropUnallocated);
+                return DROP;
+            }
+        };
+        trace::record::<TRACE>(service.service_id, 0, scope as u32);
+        if service.flags & SVC_SOURCE_RANGES != 0 && !lb::source_allowed(&service, &pkt.tuple.src) {
+            note::<TRACE>(ctx, Counter::DropSourceRange);
+            return DROP;
+        }
+        let Some((backend_id, backend, sticky)) = lb::choose_backend(&service, &pkt.tuple.src, !TRACE) else {
+            if service.flags & SVC_DROP_IF_EMPTY != 0 {
+                note::<TRACE>(ctx, Counter::DropNoLocal);
+                return DROP;
+            }
+            note::<TRACE>(ctx, Counter::NoBackend);
+            return reject_packet::<TRACE>(ctx, &pkt);
+        };
+        if sticky {
+            note::<TRACE>(ctx, Counter::AffinityHit);
+        }
+        // Hairpin: a pod reaching itself through its Service must see the
+        // node as the source, or its reply would skip the reverse NAT.
+        let masquerade = service.flags & SVC_MASQUERADE != 0 || backend.addr == pkt.tuple.src;
+        trace::record::<TRACE>(service.service_id, backend_id, scope as u32);
+        if !TRACE {
+            let ct_flags = if masquerade { CT_MASQUERADE } else { 0 };
+            if conntrack::create(&pkt.tuple, &service, backend_id, &backend, ct_flags).is_err() {
+                count(Counter::CtFull);
+            }
+        }
+        if masquerade {
+            note::<TRACE>(ctx, Counter::Masqueraded);
+            set_mark(ctx, MASQUERADE_MARK);
+        }
+        verdict::<TRACE>(ctx, nat::rewrite_dst(ctx, &pkt, &backend.addr, backend.port), Counter::NewFlow)
+    }
+
+    /// Counts, or in a trace notes the counter in the result.
+    #[inline(always)]
+    fn note<const TRACE: bool>(ctx: &TcContext, counter: Counter) {
+        if TRACE { trace::note(counter) } else { count(counter) }
+    }
+
+    /// The source rewrites ingress marked, now that routing chose the
+    /// interface: SNAT of masqueraded flows, and replies' frontend address.
+    #[classifier]
+    pub fn tc_egress(ctx: TcContext) -> i32 {
+        let mark = crate::skb::mark(&ctx);
+        if mark & (MASQUERADE_MARK | REVERSE_NAT_MARK) == 0 {
+            return NOT_OURS;
+        }
+        ctx.set_mark(mark & !(MASQUERADE_MARK | REVERSE_NAT_MARK));
+        let Ok(pkt) = parse::parse(&ctx) else { return NOT_OURS };
+        let source = if mark & MASQUERADE_MARK != 0 {
+            masquerade::source_for(&ctx, &pkt)
+        } else {
+            conntrack::lookup(&pkt.tuple).filter(|e| e.direction == CT_REPLY).map(|e| (e.nat_addr, e.nat_port))
+        };
+        let Some((addr, port)) = source else {
+            count(Counter::SnatFailed);
             return NOT_OURS;
         };
-        let Some((backend_id, backend)) = lb::choose_backend(&service) else {
-            count(Counter::NoBackend);
-            return TC_ACT_SHOT as i32;
-        };
-        if conntrack::create(&pkt.tuple, &service, backend_id, &backend).is_err() {
-            count(Counter::CtFull);
+        match nat::rewrite_src(&ctx, &pkt, &addr, port) {
+            Ok(()) => TC_ACT_OK as i32,
+            Err(_) => {
+                count(Counter::RewriteFailed);
+                DROP
+            }
         }
-        verdict(nat::rewrite_dst(&ctx, &pkt, &backend.addr, backend.port), Counter::NewFlow)
+    }
+
+    #[inline(always)]
+    fn set_mark(ctx: &TcContext, bits: u32) {
+        ctx.set_mark(crate::skb::mark(ctx) | bits);
+    }
+
+    #[inline(always)]
+    fn reject_packet<const TRACE: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
+        match reject::reject(ctx, pkt) {
+            Ok(redirect) => {
+                note::<TRACE>(ctx, Counter::Rejected);
+                redirect
+            }
+            Err(_) => {
+                note::<TRACE>(ctx, Counter::RejectFailed);
+                DROP
+            }
+        }
     }
 
     /// A failed rewrite may have left the packet half-changed: drop it rather
     /// than send it on with a wrong address or checksum.
     #[inline(always)]
-    fn verdict(rewrite: Result<(), i64>, counter: Counter) -> i32 {
+    fn verdict<const TRACE: bool>(ctx: &TcContext, rewrite: Result<(), i64>, counter: Counter) -> i32 {
         match rewrite {
             Ok(()) => {
-                count(counter);
+                note::<TRACE>(ctx, counter);
                 TC_ACT_OK as i32
             }
             Err(_) => {
-                count(Counter::RewriteFailed);
+                note::<TRACE>(ctx, Counter::RewriteFailed);
                 TC_ACT_SHOT as i32
             }
         }

@@ -4,7 +4,7 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::*;
 
@@ -21,6 +21,39 @@ pub static BACKENDS: HashMap<u32, Backend> = HashMap::pinned(MAX_BACKENDS, BPF_F
 
 #[map]
 pub static CONNTRACK: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(MAX_CONNTRACK, 0);
+
+/// Masqueraded flows: their tuple after DNAT -> the source they leave with.
+#[map]
+pub static SNAT: LruHashMap<CtKey, SnatEntry> = LruHashMap::pinned(MAX_SNAT, 0);
+
+/// The address a masqueraded flow takes on leaving an interface (by ifindex);
+/// ifindex 0 holds the node's primary address, for interfaces without one
+/// (pod veths).
+#[map]
+pub static SNAT_ADDRS: HashMap<u32, Addr> = HashMap::pinned(MAX_SNAT_ADDRS, BPF_F_NO_PREALLOC);
+
+/// --cluster-cidr: sources here are in-cluster (scope INTERNAL). Without the
+/// flag the agent stores ::/0, so every source counts as in-cluster.
+#[map]
+pub static CLUSTER_CIDRS: LpmTrie<CidrData, u8> = LpmTrie::pinned(MAX_CIDRS, 0);
+
+/// --service-cidr: an address here that no Service owns is dropped.
+#[map]
+pub static SERVICE_CIDRS: LpmTrie<CidrData, u8> = LpmTrie::pinned(MAX_CIDRS, 0);
+
+#[map]
+pub static SOURCE_RANGES: LpmTrie<SourceRangeData, u8> = LpmTrie::pinned(MAX_SOURCE_RANGES, 0);
+
+#[map]
+pub static AFFINITY: LruHashMap<AffinityKey, AffinityEntry> = LruHashMap::pinned(MAX_AFFINITY, 0);
+
+/// Room to build a REJECT's ICMP packet off the stack; not pinned, per CPU.
+#[map]
+pub static SCRATCH: PerCpuArray<[u8; crate::reject::OUT_LEN]> = PerCpuArray::with_max_entries(1, 0);
+
+/// `tc_trace`'s report; not pinned: each `ebpf-proxy trace` has its own.
+#[map]
+pub static TRACE_REPORT: Array<TraceReport> = Array::with_max_entries(1, 0);
 
 /// Names for `dump`; the programs never read it.
 #[map]

@@ -18,6 +18,7 @@ use crate::{
     health::{self, Health},
     maps::{self, Maps},
     model::{self, ModelConfig, ObjectError},
+    node_addrs::{self, NodeAddrs},
     reconciler::Reconciler,
     source::{Snapshot, Source, manifests::ManifestsSource},
 };
@@ -57,14 +58,24 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let health = Health::default();
     health::serve(args.healthz_bind_address, health.clone()).await?;
 
+    let (addrs_tx, mut addrs_rx) = watch::channel(NodeAddrs::default());
+    let mut addrs_task = tokio::spawn(node_addrs::watch(addrs_tx));
     let (tx, mut rx) = watch::channel(None);
     let mut source_task = tokio::spawn(source.run(tx));
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
 
-    let config = ModelConfig { node_name };
+    let config = ModelConfig {
+        node_name,
+        node_port_addresses: args.node_port_addresses.clone(),
+        detect_local: !args.cluster_cidr.is_empty(),
+        masquerade_all: args.masquerade_all,
+        ..Default::default()
+    };
     let mut syncer = Syncer { config, last_errors: Vec::new(), health };
-    let mut pending: Option<Arc<Snapshot>> = None;
+    // The latest snapshot, and whether it (or the node) changed since the last good sync.
+    let mut latest: Option<Arc<Snapshot>> = None;
+    let mut pending = false;
     let mut retry_at: Option<Instant> = None;
     loop {
         tokio::select! {
@@ -73,7 +84,21 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     let res = (&mut source_task).await?;
                     return res.context("source stopped");
                 }
-                pending = rx.borrow_and_update().clone();
+                latest = rx.borrow_and_update().clone();
+                pending = true;
+                retry_at = None;
+            }
+            changed = addrs_rx.changed() => {
+                if changed.is_err() {
+                    return Err((&mut addrs_task).await?.expect_err("address watcher stopped")).context("node addresses");
+                }
+                let addrs = addrs_rx.borrow_and_update().clone();
+                info!(addresses = ?addrs.all(), "node addresses");
+                syncer.config.node_addresses = addrs.all();
+                if let Err(e) = maps.write_node_config(&addrs.snat_sources(), &args.cluster_cidr, &args.service_cidr) {
+                    error!("writing node settings to the maps failed: {e:#}");
+                }
+                pending = true;
                 retry_at = None;
             }
             _ = async { tokio::time::sleep_until(retry_at.unwrap()).await }, if retry_at.is_some() => {
@@ -85,9 +110,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
-        if let Some(snap) = pending.take() {
-            if !syncer.sync(&snap, &mut reconciler, &mut maps) {
-                pending = Some(snap);
+        if let (true, Some(snap)) = (pending, &latest) {
+            pending = !syncer.sync(snap, &mut reconciler, &mut maps);
+            if pending {
                 retry_at = Some(Instant::now() + RETRY);
             }
         }

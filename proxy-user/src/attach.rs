@@ -1,8 +1,9 @@
-//! Keeps the TC program attached at ingress of every node interface (or the
-//! `--devices` ones), including interfaces that appear later, such as the
-//! veth of a new pod. Links are TCX links pinned under
-//! `<bpffs-root>/links`, so they outlive the agent, and a restarted agent
-//! swaps its program into them atomically.
+//! Keeps the TC programs attached at ingress (translation) and egress
+//! (masquerade) of every node interface (or the `--devices` ones), including
+//! interfaces that appear later, such as the veth of a new pod. Links are TCX
+//! links pinned under `<bpffs-root>/links` as `<hook>-<ifindex>`, so they
+//! outlive the agent, and a restarted agent swaps its programs into them
+//! atomically.
 
 use std::{
     collections::BTreeMap,
@@ -25,7 +26,11 @@ use netlink_packet_route::{
 use rtnetlink::{MulticastGroup, new_multicast_connection};
 use tracing::{debug, info, warn};
 
-use crate::maps::{TC_PROGRAM, links_dir};
+use crate::maps::{TC_EGRESS, TC_INGRESS, links_dir};
+
+/// Each program, the hook it runs at, and the prefix of its link pins.
+pub const HOOKS: [(&str, TcAttachType, &str); 2] =
+    [(TC_INGRESS, TcAttachType::Ingress, "ingress"), (TC_EGRESS, TcAttachType::Egress, "egress")];
 
 pub struct Attacher {
     ebpf: Ebpf,
@@ -37,11 +42,13 @@ pub struct Attacher {
 
 impl Attacher {
     pub fn new(mut ebpf: Ebpf, root: &Path, devices: Option<Vec<String>>) -> Result<Self> {
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut(TC_PROGRAM)
-            .context("TC program missing from the BPF object")?
-            .try_into()?;
-        prog.load().map_err(|e| anyhow::anyhow!("the kernel rejected the TC program: {e}"))?;
+        for (program, _, _) in HOOKS {
+            let prog: &mut SchedClassifier = ebpf
+                .program_mut(program)
+                .with_context(|| format!("TC program {program} missing from the BPF object"))?
+                .try_into()?;
+            prog.load().map_err(|e| anyhow::anyhow!("the kernel rejected the TC program {program}: {e}"))?;
+        }
         let links = links_dir(root);
         std::fs::create_dir_all(&links).with_context(|| format!("create {}", links.display()))?;
         Ok(Attacher { ebpf, links, devices, attached: BTreeMap::new() })
@@ -59,23 +66,34 @@ impl Attacher {
         wanted.then_some(name)
     }
 
-    fn pin_path(&self, ifindex: u32) -> PathBuf {
-        self.links.join(format!("ingress-{ifindex}"))
+    fn pin_path(&self, hook: &str, ifindex: u32) -> PathBuf {
+        self.links.join(format!("{hook}-{ifindex}"))
     }
 
-    /// Attaches, or atomically replaces the program in a link a previous agent pinned.
+    /// Attaches both programs to an interface.
     fn attach(&mut self, ifindex: u32, name: &str) -> Result<()> {
         if self.attached.contains_key(&ifindex) {
             return Ok(());
         }
-        let pin = self.pin_path(ifindex);
-        let prog: &mut SchedClassifier = self.ebpf.program_mut(TC_PROGRAM).unwrap().try_into()?;
+        for (program, attach_type, hook) in HOOKS {
+            let adopted = self.attach_one(program, attach_type, hook, ifindex, name)?;
+            info!(interface = %name, ifindex, hook, adopted, "attached");
+        }
+        self.attached.insert(ifindex, name.to_string());
+        Ok(())
+    }
+
+    /// Attaches, or atomically replaces the program in a link a previous agent
+    /// pinned (true: adopted).
+    fn attach_one(&mut self, program: &str, attach_type: TcAttachType, hook: &str, ifindex: u32, name: &str) -> Result<bool> {
+        let pin = self.pin_path(hook, ifindex);
+        let prog: &mut SchedClassifier = self.ebpf.program_mut(program).unwrap().try_into()?;
         let adopted = match PinnedLink::from_pin(&pin) {
             Ok(old) => match FdLink::from(old).try_into().map_err(anyhow::Error::from).and_then(|l| Ok(prog.attach_to_link(l)?)) {
                 Ok(_) => true,
                 Err(e) => {
                     // A link left from an interface that is gone: start afresh.
-                    debug!(%name, error = %e, "pinned link unusable; replacing it");
+                    debug!(%name, hook, error = %e, "pinned link unusable; replacing it");
                     let _ = std::fs::remove_file(&pin);
                     false
                 }
@@ -84,20 +102,20 @@ impl Attacher {
         };
         if !adopted {
             let id = prog
-                .attach(ifindex, TcAttach::Tcx { attach_type: TcAttachType::Ingress, order: LinkOrder::default() })
-                .with_context(|| format!("attach to {name} (ifindex {ifindex})"))?;
+                .attach(ifindex, TcAttach::Tcx { attach_type, order: LinkOrder::default() })
+                .with_context(|| format!("attach {hook} to {name} (ifindex {ifindex})"))?;
             let link: FdLink = prog.take_link(id)?.try_into()?;
             link.pin(&pin).with_context(|| format!("pin link at {}", pin.display()))?;
         }
-        info!(interface = %name, ifindex, adopted, "attached at ingress");
-        self.attached.insert(ifindex, name.to_string());
-        Ok(())
+        Ok(adopted)
     }
 
     /// The kernel detached the link with the interface; drop our pin.
     fn forget(&mut self, ifindex: u32) {
         if let Some(name) = self.attached.remove(&ifindex) {
-            let _ = std::fs::remove_file(self.pin_path(ifindex));
+            for (_, _, hook) in HOOKS {
+                let _ = std::fs::remove_file(self.pin_path(hook, ifindex));
+            }
             info!(interface = %name, ifindex, "interface gone");
         }
     }
@@ -107,7 +125,7 @@ impl Attacher {
         let Ok(entries) = std::fs::read_dir(&self.links) else { return };
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let ifindex = name.strip_prefix("ingress-").and_then(|i| i.parse::<u32>().ok());
+            let ifindex = name.split_once('-').and_then(|(_, i)| i.parse::<u32>().ok());
             if ifindex.is_some_and(|i| !self.attached.contains_key(&i)) {
                 let _ = std::fs::remove_file(e.path());
             }

@@ -15,12 +15,13 @@ use std::{
 use anyhow::{Context, Result, bail};
 use aya::programs::{SchedClassifier, TcAttachType, links::{FdLink, PinnedLink}};
 
-use crate::maps::{PINNED_MAPS, links_dir};
+use crate::{attach::HOOKS, maps::{PINNED_MAPS, links_dir}};
 
 const DETACH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A link we unpinned: the program it held on an interface's ingress hook.
 struct Unpinned {
+    attach_type: TcAttachType,
     ifindex: u32,
     program_id: u32,
 }
@@ -36,13 +37,18 @@ pub fn cleanup(root: &Path) -> Result<()> {
     if let Ok(entries) = std::fs::read_dir(&links) {
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let Some(ifindex) = name.strip_prefix("ingress-").and_then(|i| i.parse::<u32>().ok()) else { continue };
+            let Some((attach_type, ifindex)) = HOOKS.iter().find_map(|(_, attach_type, hook)| {
+                let ifindex = name.strip_prefix(hook)?.strip_prefix('-')?.parse::<u32>().ok()?;
+                Some((*attach_type, ifindex))
+            }) else {
+                continue;
+            };
             // A pin that is not a link (or is unreadable) is still ours to remove.
             let program_id = PinnedLink::from_pin(e.path()).ok().and_then(|p| FdLink::from(p).info().ok()).map(|i| i.program_id());
             std::fs::remove_file(e.path()).with_context(|| format!("unpin {}", e.path().display()))?;
             removed += 1;
             if let Some(program_id) = program_id {
-                unpinned.push(Unpinned { ifindex, program_id });
+                unpinned.push(Unpinned { attach_type, ifindex, program_id });
             }
         }
         let _ = std::fs::remove_dir(&links);
@@ -67,11 +73,12 @@ fn wait_detached(unpinned: &[Unpinned]) -> Result<()> {
     loop {
         let still: Vec<&Unpinned> = unpinned.iter().filter(|u| still_attached(u)).collect();
         if still.is_empty() {
-            println!("detached from {} interfaces", unpinned.len());
+            println!("detached {} program links", unpinned.len());
             return Ok(());
         }
         if Instant::now() >= deadline {
-            let list: Vec<String> = still.iter().map(|u| format!("ifindex {} (program {})", u.ifindex, u.program_id)).collect();
+            let list: Vec<String> =
+                still.iter().map(|u| format!("ifindex {} {:?} (program {})", u.ifindex, u.attach_type, u.program_id)).collect();
             bail!(
                 "the kernel still runs our program on {} after {DETACH_TIMEOUT:?}; is an agent still running with this --bpffs-root?",
                 list.join(", ")
@@ -83,7 +90,7 @@ fn wait_detached(unpinned: &[Unpinned]) -> Result<()> {
 
 fn still_attached(u: &Unpinned) -> bool {
     // An error here means the interface is gone, which detaches everything.
-    SchedClassifier::query_tcx(u.ifindex, TcAttachType::Ingress)
+    SchedClassifier::query_tcx(u.ifindex, u.attach_type)
         .map(|(_, progs)| progs.iter().any(|p| p.id() == u.program_id))
         .unwrap_or(false)
 }

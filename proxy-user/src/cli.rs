@@ -2,6 +2,8 @@
 
 use std::{net::SocketAddr, path::PathBuf};
 
+use ipnet::IpNet;
+
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::dump::Output;
@@ -22,6 +24,20 @@ pub enum Command {
     /// Show what the dataplane holds (reads the pinned maps; works with the agent stopped).
     Dump {
         what: DumpWhat,
+        #[arg(short = 'o', long, value_enum, default_value = "table")]
+        output: Output,
+        #[arg(long, default_value = DEFAULT_BPFFS_ROOT)]
+        bpffs_root: PathBuf,
+    },
+    /// What the dataplane would do with one packet: runs the real program on a
+    /// synthetic packet against the live maps, without changing conntrack.
+    Trace {
+        /// Client address, IP or IP:PORT (port default 40000).
+        #[arg(long, value_name = "IP[:PORT]")]
+        from: crate::trace::Source,
+        /// Destination, e.g. 10.96.0.10:80/TCP.
+        #[arg(long, value_name = "IP:PORT/PROTO")]
+        to: crate::trace::Destination,
         #[arg(short = 'o', long, value_enum, default_value = "table")]
         output: Output,
         #[arg(long, default_value = DEFAULT_BPFFS_ROOT)]
@@ -63,4 +79,17 @@ pub struct RunArgs {
     pub bpffs_root: PathBuf,
     #[arg(long, default_value = "0.0.0.0:10256")]
     pub healthz_bind_address: SocketAddr,
+    /// Pod CIDRs: sources inside are in-cluster; others reaching a ClusterIP
+    /// are masqueraded. Default: every source counts as in-cluster.
+    #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR]")]
+    pub cluster_cidr: Vec<IpNet>,
+    /// Service CIDRs: traffic to an address here that no Service owns is dropped.
+    #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR]")]
+    pub service_cidr: Vec<IpNet>,
+    /// NodePorts open only on node addresses inside these CIDRs. Default: every node address.
+    #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR]")]
+    pub node_port_addresses: Vec<IpNet>,
+    /// Masquerade every flow to a ClusterIP, whatever its source.
+    #[arg(long)]
+    pub masquerade_all: bool,
 }

@@ -101,6 +101,8 @@ pub fn services(maps: &Maps) -> Result<Vec<ServiceRow>> {
     let mut rows: Vec<ServiceRow> = c
         .frontends
         .iter()
+        // ClusterIP markers (port and protocol 0) only make unserved ports reject.
+        .filter(|(key, _)| key.proto != 0)
         .map(|(key, entry)| {
             let backends = (0..entry.backend_count)
                 .filter_map(|slot| c.slots.get(&SlotKey { service_id: entry.service_id, slot }))

@@ -9,6 +9,8 @@ pub mod health;
 pub mod manifest;
 pub mod maps;
 pub mod model;
+pub mod node_addrs;
 pub mod rbac;
 pub mod reconciler;
 pub mod source;
+pub mod trace;

@@ -2,7 +2,7 @@ use clap::Parser;
 use proxy_user::{
     agent, cleanup,
     cli::{Cli, Command},
-    dump,
+    dump, trace,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -21,6 +21,7 @@ fn main() {
             .and_then(|rt| rt.block_on(agent::run(args))),
         Command::Dump { what, output, bpffs_root } => dump::print(what, output, &bpffs_root),
         Command::Cleanup { bpffs_root } => cleanup::cleanup(&bpffs_root),
+        Command::Trace { from, to, output, bpffs_root } => trace::print(from, to, output, &bpffs_root),
         Command::Completion { shell } => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
             clap_complete::generate(shell, &mut cmd, "ebpf-proxy", &mut std::io::stdout());

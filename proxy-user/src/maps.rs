@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, Map, MapData, PerCpuArray},
+    maps::{HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key},
 };
+use ipnet::IpNet;
 use proxy_common::*;
 
 use crate::reconciler::{Contents, MapWriter};
@@ -16,14 +17,19 @@ use crate::reconciler::{Contents, MapWriter};
 /// The compiled datapath, built by aya-build from proxy-ebpf.
 pub static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
 
-/// The TC program's name in the object.
-pub const TC_PROGRAM: &str = "tc_ingress";
+/// The TC programs' names in the object.
+pub const TC_INGRESS: &str = "tc_ingress";
+pub const TC_EGRESS: &str = "tc_egress";
+/// The ingress logic in report mode, for `ebpf-proxy trace`; never attached.
+pub const TC_TRACE: &str = "tc_trace";
 
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 /// Every map the agent pins, by name.
-pub const PINNED_MAPS: [&str; 6] =
-    [MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS];
+pub const PINNED_MAPS: [&str; 12] = [
+    MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS, MAP_SNAT,
+    MAP_SNAT_ADDRS, MAP_CLUSTER_CIDRS, MAP_SERVICE_CIDRS, MAP_SOURCE_RANGES, MAP_AFFINITY,
+];
 
 pub struct Maps {
     pub frontends: HashMap<MapData, FrontendKey, ServiceEntry>,
@@ -32,6 +38,10 @@ pub struct Maps {
     pub conntrack: HashMap<MapData, CtKey, CtEntry>,
     pub names: HashMap<MapData, u32, ServiceName>,
     pub counters: PerCpuArray<MapData, u64>,
+    pub snat_addrs: HashMap<MapData, u32, Addr>,
+    pub cluster_cidrs: LpmTrie<MapData, CidrData, u8>,
+    pub service_cidrs: LpmTrie<MapData, CidrData, u8>,
+    pub source_ranges: LpmTrie<MapData, SourceRangeData, u8>,
 }
 
 /// Fails with what to do when `root` is not on a bpffs; creates it only when
@@ -63,6 +73,10 @@ pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
         conntrack: take(MAP_CONNTRACK)?.try_into()?,
         names: take(MAP_SERVICE_NAMES)?.try_into()?,
         counters: take(MAP_COUNTERS)?.try_into()?,
+        snat_addrs: take(MAP_SNAT_ADDRS)?.try_into()?,
+        cluster_cidrs: take(MAP_CLUSTER_CIDRS)?.try_into()?,
+        service_cidrs: take(MAP_SERVICE_CIDRS)?.try_into()?,
+        source_ranges: take(MAP_SOURCE_RANGES)?.try_into()?,
     };
     Ok((ebpf, maps))
 }
@@ -85,6 +99,10 @@ impl Maps {
             conntrack: open_pin(root, MAP_CONNTRACK)?.try_into()?,
             names: open_pin(root, MAP_SERVICE_NAMES)?.try_into()?,
             counters: open_pin(root, MAP_COUNTERS)?.try_into()?,
+            snat_addrs: open_pin(root, MAP_SNAT_ADDRS)?.try_into()?,
+            cluster_cidrs: open_pin(root, MAP_CLUSTER_CIDRS)?.try_into()?,
+            service_cidrs: open_pin(root, MAP_SERVICE_CIDRS)?.try_into()?,
+            source_ranges: open_pin(root, MAP_SOURCE_RANGES)?.try_into()?,
         })
     }
 
@@ -105,9 +123,30 @@ impl Maps {
         }
         for kv in self.names.iter() {
             let (k, v) = kv?;
-            c.names.insert(k, (v.as_str().to_string(), v.scope));
+            c.names.insert(k, (v.as_str().to_string(), v.policy));
+        }
+        for k in self.source_ranges.keys() {
+            let k = k?;
+            let data = k.data();
+            c.source_ranges.insert((data.service_id, prefix_of(&data.addr, k.prefix_len() - 32)));
         }
         Ok(c)
+    }
+
+    /// Replaces the node-level settings: SNAT source per interface (ifindex
+    /// 0: the default), the cluster CIDRs (none given: every source is
+    /// in-cluster) and the service CIDRs.
+    pub fn write_node_config(&mut self, snat: &std::collections::BTreeMap<u32, std::net::IpAddr>, cluster: &[IpNet], service: &[IpNet]) -> Result<()> {
+        let stale: Vec<u32> = self.snat_addrs.keys().filter_map(|k| k.ok()).filter(|k| !snat.contains_key(k)).collect();
+        for (ifindex, ip) in snat {
+            self.snat_addrs.insert(ifindex, &Addr::from(*ip), 0)?;
+        }
+        for k in stale {
+            self.snat_addrs.remove(&k)?;
+        }
+        let everything: [IpNet; 1] = ["::/0".parse().expect("valid")];
+        replace_cidrs(&mut self.cluster_cidrs, if cluster.is_empty() { &everything } else { cluster })?;
+        replace_cidrs(&mut self.service_cidrs, service)
     }
 
     /// Per-CPU counters summed, indexed like `COUNTER_NAMES`.
@@ -141,6 +180,41 @@ impl MapWriter for Maps {
     fn del_name(&mut self, id: u32) -> Result<()> {
         Ok(self.names.remove(&id)?)
     }
+    fn put_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()> {
+        let (len, addr) = lpm_prefix(net);
+        Ok(self.source_ranges.insert(&Key::new(32 + len, SourceRangeData { service_id, addr }), &1, 0)?)
+    }
+    fn del_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()> {
+        let (len, addr) = lpm_prefix(net);
+        Ok(self.source_ranges.remove(&Key::new(32 + len, SourceRangeData { service_id, addr }))?)
+    }
+}
+
+/// A prefix as the LPM maps hold it: IPv4 IPv4-mapped, so /n is /(96 + n).
+fn lpm_prefix(net: &IpNet) -> (u32, Addr) {
+    let len = match net {
+        IpNet::V4(n) => v4_prefix_len(n.prefix_len() as u32),
+        IpNet::V6(n) => n.prefix_len() as u32,
+    };
+    (len, Addr::from(net.network()))
+}
+
+fn prefix_of(addr: &Addr, len: u32) -> IpNet {
+    let ip = addr.to_ip();
+    let len = if ip.is_ipv4() { len.saturating_sub(96) } else { len };
+    IpNet::new(ip, len as u8).unwrap_or_else(|_| IpNet::from(ip))
+}
+
+fn replace_cidrs(map: &mut LpmTrie<MapData, CidrData, u8>, want: &[IpNet]) -> Result<()> {
+    let want: Vec<(u32, Addr)> = want.iter().map(lpm_prefix).collect();
+    let held: Vec<(u32, Addr)> = map.keys().filter_map(|k| k.ok()).map(|k| (k.prefix_len(), k.data().addr)).collect();
+    for (len, addr) in &want {
+        map.insert(&Key::new(*len, CidrData { addr: *addr }), &1, 0)?;
+    }
+    for (len, addr) in held.iter().filter(|h| !want.contains(h)) {
+        map.remove(&Key::new(*len, CidrData { addr: *addr }))?;
+    }
+    Ok(())
 }
 
 /// Where the agent pins its per-interface TC links.

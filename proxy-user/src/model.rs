@@ -3,17 +3,21 @@
 //! executes what is decided here, so this is where behaviour is tested.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fmt,
     net::IpAddr,
 };
 
+use ipnet::IpNet;
 use k8s_openapi::api::{
+    core::v1::{Service, ServiceSpec},
     discovery::v1::{Endpoint, EndpointSlice},
 };
 use proxy_common::{
     Addr, BACKEND_LOCAL, BACKEND_READY, BACKEND_SERVING, BACKEND_TERMINATING, FrontendKey, IPPROTO_SCTP,
-    IPPROTO_TCP, IPPROTO_UDP, KIND_CLUSTER_IP, SCOPE_INTERNAL,
+    IPPROTO_TCP, IPPROTO_UDP, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT,
+    POLICY_CLUSTER, POLICY_LOCAL, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
+    SVC_SOURCE_RANGES,
 };
 
 use crate::source::Snapshot;
@@ -21,9 +25,28 @@ use crate::source::Snapshot;
 /// The label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
+/// kube-proxy's default for sessionAffinityConfig.clientIP.timeoutSeconds.
+const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
+
 #[derive(Debug, Clone, Default)]
 pub struct ModelConfig {
     pub node_name: String,
+    /// The node's addresses; NodePorts open on those inside
+    /// `node_port_addresses` (all of them when that is empty).
+    pub node_addresses: Vec<IpAddr>,
+    pub node_port_addresses: Vec<IpNet>,
+    /// --cluster-cidr given: sources outside it reaching a ClusterIP are
+    /// masqueraded, as kube-proxy's local-traffic detector does.
+    pub detect_local: bool,
+    pub masquerade_all: bool,
+}
+
+impl ModelConfig {
+    fn node_port_ips(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.node_addresses.iter().copied().filter(|ip| {
+            self.node_port_addresses.is_empty() || self.node_port_addresses.iter().any(|net| net.contains(ip))
+        })
+    }
 }
 
 /// `namespace/name:port-name`, as kube-proxy prints a service port.
@@ -44,11 +67,12 @@ impl fmt::Display for ServicePortName {
     }
 }
 
-/// One backend set: the endpoints a service port offers to one scope of clients.
+/// One backend set: a service port's endpoints under one endpoint policy
+/// (POLICY_CLUSTER: every usable endpoint; POLICY_LOCAL: this node's).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BackendSetKey {
     pub service: ServicePortName,
-    pub scope: u8,
+    pub policy: u8,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -64,6 +88,9 @@ pub struct DesiredBackend {
 pub struct DesiredFrontend {
     pub set: BackendSetKey,
     pub kind: u8,
+    /// SVC_* flags.
+    pub flags: u8,
+    pub affinity_timeout_s: u32,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -71,6 +98,10 @@ pub struct DesiredState {
     /// Sorted and free of duplicates, so equal inputs give equal slots.
     pub backend_sets: BTreeMap<BackendSetKey, Vec<DesiredBackend>>,
     pub frontends: BTreeMap<FrontendKey, DesiredFrontend>,
+    /// Every ClusterIP in use: a port it does not serve is rejected.
+    pub cluster_ips: BTreeSet<IpAddr>,
+    /// loadBalancerSourceRanges, by the backend set their frontends use.
+    pub source_ranges: BTreeMap<BackendSetKey, Vec<IpNet>>,
 }
 
 /// Something in an object that was skipped, with the object it came from.
@@ -105,66 +136,241 @@ pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<Ob
     for svc in &snapshot.services {
         let ns = svc.metadata.namespace.clone().unwrap_or_else(|| "default".into());
         let name = svc.metadata.name.clone().unwrap_or_default();
-        let object = format!("service {ns}/{name}");
-        let skip = |errors: &mut Vec<ObjectError>, reason: String| errors.push(ObjectError { object: object.clone(), reason });
-        let Some(spec) = &svc.spec else {
-            skip(&mut errors, "no spec; skipped".into());
-            continue;
-        };
-        if spec.type_.as_deref() == Some("ExternalName") {
-            continue;
-        }
-        let ips: Vec<&String> = match (&spec.cluster_ips, &spec.cluster_ip) {
-            (Some(ips), _) if !ips.is_empty() => ips.iter().collect(),
-            (_, Some(ip)) => vec![ip],
-            _ => vec![],
-        };
-        if ips.iter().any(|ip| ip.as_str() == "None") {
-            continue; // headless: DNS only, nothing to proxy
-        }
-        let mut cluster_ips = Vec::new();
-        for ip in ips {
-            match ip.parse::<IpAddr>() {
-                // The datapath translates IPv4 today; the keys already hold IPv6.
-                Ok(ip) if ip.is_ipv4() => cluster_ips.push(ip),
-                Ok(_) => {}
-                Err(_) => skip(&mut errors, format!("spec.clusterIPs: invalid IP {ip:?}; that address is skipped")),
-            }
-        }
-        if cluster_ips.is_empty() {
-            continue;
-        }
         let slices = slices_by_service.get(&(ns.clone(), name.clone())).map(Vec::as_slice).unwrap_or(&[]);
-
-        for (i, port) in spec.ports.iter().flatten().enumerate() {
-            let Some(proto) = protocol_of(port.protocol.as_deref()) else {
-                skip(&mut errors, format!("spec.ports[{i}]: unknown protocol {:?}; port skipped", port.protocol));
-                continue;
-            };
-            if proto == IPPROTO_SCTP {
-                continue; // SCTP translation is not in the datapath yet
-            }
-            let Ok(port_num) = u16::try_from(port.port).map_err(drop).and_then(|p| if p == 0 { Err(()) } else { Ok(p) })
-            else {
-                skip(&mut errors, format!("spec.ports[{i}].port: {} out of range; port skipped", port.port));
-                continue;
-            };
-            let service = ServicePortName { namespace: ns.clone(), name: name.clone(), port: port.name.clone().unwrap_or_default() };
-            let backends = select_endpoints(slices, &service.port, proto, config, &mut errors);
-            let set = BackendSetKey { service, scope: SCOPE_INTERNAL };
-            for ip in &cluster_ips {
-                let key = FrontendKey { addr: Addr::from(*ip), port: port_num.to_be(), proto, scope: SCOPE_INTERNAL };
-                state.frontends.insert(key, DesiredFrontend { set: set.clone(), kind: KIND_CLUSTER_IP });
-            }
-            state.backend_sets.insert(set, backends);
-        }
+        let mut ctx = ServiceCtx { ns, name, errors: &mut errors };
+        build_service(svc, slices, config, &mut ctx, &mut state);
     }
     (state, errors)
 }
 
-/// The endpoints that serve cluster traffic, as kube-proxy picks them: the
-/// ready ones; when none is ready, the serving-terminating ones, so a rolling
-/// update never leaves a window with nothing to answer.
+struct ServiceCtx<'a> {
+    ns: String,
+    name: String,
+    errors: &'a mut Vec<ObjectError>,
+}
+
+impl ServiceCtx<'_> {
+    fn skip(&mut self, reason: String) {
+        self.errors.push(ObjectError { object: format!("service {}/{}", self.ns, self.name), reason });
+    }
+
+    /// Valid IPv4 addresses of a list; the datapath translates IPv4 today
+    /// (the keys already hold IPv6), so IPv6 ones are left out silently.
+    fn ipv4s<'s>(&mut self, field: &str, ips: impl IntoIterator<Item = &'s String>) -> Vec<IpAddr> {
+        let mut out = Vec::new();
+        for ip in ips {
+            match ip.trim().parse::<IpAddr>() {
+                Ok(ip) if ip.is_ipv4() => out.push(ip),
+                Ok(_) => {}
+                Err(_) => self.skip(format!("{field}: invalid IP {ip:?}; that address is skipped")),
+            }
+        }
+        out
+    }
+}
+
+fn build_service(svc: &Service, slices: &[&EndpointSlice], config: &ModelConfig, ctx: &mut ServiceCtx, state: &mut DesiredState) {
+    let Some(spec) = &svc.spec else {
+        ctx.skip("no spec; skipped".into());
+        return;
+    };
+    if spec.type_.as_deref() == Some("ExternalName") {
+        return;
+    }
+    let ips: Vec<&String> = match (&spec.cluster_ips, &spec.cluster_ip) {
+        (Some(ips), _) if !ips.is_empty() => ips.iter().collect(),
+        (_, Some(ip)) => vec![ip],
+        _ => vec![],
+    };
+    if ips.iter().any(|ip| ip.as_str() == "None") {
+        return; // headless: DNS only, nothing to proxy
+    }
+    let cluster_ips = ctx.ipv4s("spec.clusterIPs", ips);
+    if cluster_ips.is_empty() {
+        return;
+    }
+    state.cluster_ips.extend(&cluster_ips);
+    let external_ips = ctx.ipv4s("spec.externalIPs", spec.external_ips.iter().flatten());
+    let lb_ips = {
+        let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|lb| lb.ingress.as_ref());
+        let ips: Vec<&String> = ingress.into_iter().flatten().filter_map(|i| i.ip.as_ref()).collect();
+        ctx.ipv4s("status.loadBalancer.ingress", ips)
+    };
+    let source_ranges = parse_source_ranges(spec, ctx);
+    let policy = TrafficPolicy::of(spec);
+
+    for (i, port) in spec.ports.iter().flatten().enumerate() {
+        let Some(proto) = protocol_of(port.protocol.as_deref()) else {
+            ctx.skip(format!("spec.ports[{i}]: unknown protocol {:?}; port skipped", port.protocol));
+            continue;
+        };
+        if proto == IPPROTO_SCTP {
+            continue; // SCTP translation is not in the datapath yet
+        }
+        let Some(port_num) = port_number(port.port) else {
+            ctx.skip(format!("spec.ports[{i}].port: {} out of range; port skipped", port.port));
+            continue;
+        };
+        let service = ServicePortName { namespace: ctx.ns.clone(), name: ctx.name.clone(), port: port.name.clone().unwrap_or_default() };
+        let endpoints = categorize(&select_endpoints(slices, &service.port, proto, config, ctx.errors), policy.uses_local());
+        let externally_accessible = port.node_port.is_some() || !external_ips.is_empty() || !lb_ips.is_empty();
+
+        let cluster = BackendSetKey { service: service.clone(), policy: POLICY_CLUSTER };
+        let local = BackendSetKey { service, policy: POLICY_LOCAL };
+        let affinity_timeout_s = affinity_timeout(spec);
+        let (mut has_cluster, mut has_local) = (false, false);
+        let mut add = |state: &mut DesiredState, key: FrontendKey, set: &BackendSetKey, kind: u8, mut flags: u8, empty: bool| {
+            if set.policy == POLICY_LOCAL { has_local = true } else { has_cluster = true }
+            // Endpoints elsewhere but none for this policy: kube-proxy drops;
+            // no endpoint at all: it rejects.
+            if empty && endpoints.any {
+                flags |= SVC_DROP_IF_EMPTY;
+            }
+            state.frontends.insert(key, DesiredFrontend { set: set.clone(), kind, flags, affinity_timeout_s });
+        };
+
+        // ClusterIP: internalTrafficPolicy for every source; sources outside
+        // the cluster CIDR are masqueraded so replies come back through us.
+        let internal_set = if policy.internal_local { &local } else { &cluster };
+        let internal_empty = if policy.internal_local { endpoints.local.is_empty() } else { endpoints.cluster.is_empty() };
+        for ip in &cluster_ips {
+            let fk = |scope| FrontendKey { addr: Addr::from(*ip), port: port_num.to_be(), proto, scope };
+            let all = if config.masquerade_all { SVC_MASQUERADE } else { 0 };
+            add(state, fk(SCOPE_INTERNAL), internal_set, KIND_CLUSTER_IP, all, internal_empty);
+            let outside = if config.detect_local { SVC_MASQUERADE } else { all };
+            add(state, fk(SCOPE_EXTERNAL), internal_set, KIND_CLUSTER_IP, outside, internal_empty);
+        }
+
+        // NodePort, ExternalIPs, LoadBalancer IPs: externalTrafficPolicy.
+        // Cluster masquerades every source (the endpoint may be on another
+        // node). Local keeps the client address and uses only this node's
+        // endpoints, except for pods, which short-circuit to the cluster set
+        // as if they had gone out to the load balancer and back.
+        if externally_accessible {
+            let mut frontends: Vec<(FrontendKey, u8, u8)> = Vec::new();
+            let key = |addr: IpAddr, port: u16, scope| FrontendKey { addr: Addr::from(addr), port: port.to_be(), proto, scope };
+            if let Some(node_port) = port.node_port.and_then(port_number) {
+                for ip in config.node_port_ips() {
+                    frontends.push((key(ip, node_port, SCOPE_INTERNAL), KIND_NODE_PORT, 0));
+                    frontends.push((key(ip, node_port, SCOPE_EXTERNAL), KIND_NODE_PORT, 0));
+                }
+            }
+            for ip in &external_ips {
+                frontends.push((key(*ip, port_num, SCOPE_INTERNAL), KIND_EXTERNAL_IP, 0));
+                frontends.push((key(*ip, port_num, SCOPE_EXTERNAL), KIND_EXTERNAL_IP, 0));
+            }
+            let ranges = if source_ranges.is_empty() { 0 } else { SVC_SOURCE_RANGES };
+            for ip in &lb_ips {
+                frontends.push((key(*ip, port_num, SCOPE_INTERNAL), KIND_LOAD_BALANCER, ranges));
+                frontends.push((key(*ip, port_num, SCOPE_EXTERNAL), KIND_LOAD_BALANCER, ranges));
+            }
+            for (fk, kind, flags) in frontends {
+                if !policy.external_local {
+                    add(state, fk, &cluster, kind, flags | SVC_MASQUERADE, endpoints.cluster.is_empty());
+                } else if fk.scope == SCOPE_INTERNAL && config.detect_local {
+                    let (set, empty) = if policy.internal_local { (&local, endpoints.local.is_empty()) } else { (&cluster, endpoints.cluster.is_empty()) };
+                    add(state, fk, set, kind, flags, empty);
+                } else {
+                    add(state, fk, &local, kind, flags, endpoints.local.is_empty());
+                }
+            }
+            if !source_ranges.is_empty() {
+                for set in [&cluster, &local] {
+                    state.source_ranges.insert(set.clone(), source_ranges.clone());
+                }
+            }
+        }
+        if !has_local {
+            state.source_ranges.remove(&local);
+        }
+        if has_cluster {
+            state.backend_sets.insert(cluster.clone(), endpoints.cluster);
+        } else {
+            state.source_ranges.remove(&cluster);
+        }
+        if has_local {
+            state.backend_sets.insert(local, endpoints.local);
+        }
+    }
+}
+
+/// A port number as the API gives it (i32), if it is a valid one.
+fn port_number(p: i32) -> Option<u16> {
+    u16::try_from(p).ok().filter(|p| *p != 0)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct TrafficPolicy {
+    internal_local: bool,
+    external_local: bool,
+}
+
+impl TrafficPolicy {
+    fn of(spec: &ServiceSpec) -> Self {
+        TrafficPolicy {
+            internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
+            external_local: spec.external_traffic_policy.as_deref() == Some("Local"),
+        }
+    }
+
+    fn uses_local(&self) -> bool {
+        self.internal_local || self.external_local
+    }
+}
+
+fn affinity_timeout(spec: &ServiceSpec) -> u32 {
+    if spec.session_affinity.as_deref() != Some("ClientIP") {
+        return 0;
+    }
+    let configured = spec.session_affinity_config.as_ref().and_then(|c| c.client_ip.as_ref()).and_then(|c| c.timeout_seconds);
+    configured.and_then(|t| u32::try_from(t).ok()).filter(|t| *t > 0).unwrap_or(DEFAULT_AFFINITY_TIMEOUT_S)
+}
+
+/// loadBalancerSourceRanges; like kube-proxy, surrounding spaces are
+/// tolerated and an invalid entry is skipped (with a report), not fatal.
+fn parse_source_ranges(spec: &ServiceSpec, ctx: &mut ServiceCtx) -> Vec<IpNet> {
+    let mut out = Vec::new();
+    for (i, r) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
+        match r.trim().parse::<IpNet>() {
+            Ok(net) if net.addr().is_ipv4() => out.push(net.trunc()),
+            Ok(_) => {}
+            Err(_) => ctx.skip(format!("spec.loadBalancerSourceRanges[{i}]: invalid CIDR {r:?}; skipped")),
+        }
+    }
+    out
+}
+
+/// kube-proxy's CategorizeEndpoints: the cluster set (ready, else
+/// serving-terminating), the local set (this node's ready, else its
+/// serving-terminating) and whether any endpoint is usable at all.
+struct Categorized {
+    cluster: Vec<DesiredBackend>,
+    local: Vec<DesiredBackend>,
+    any: bool,
+}
+
+fn categorize(all: &[DesiredBackend], uses_local: bool) -> Categorized {
+    let ready = |b: &&DesiredBackend| b.flags & BACKEND_READY != 0;
+    let serving_terminating = |b: &&DesiredBackend| b.flags & BACKEND_SERVING != 0 && b.flags & BACKEND_TERMINATING != 0;
+    let is_local = |b: &&DesiredBackend| b.flags & BACKEND_LOCAL != 0;
+    let pick = |f: &dyn Fn(&&DesiredBackend) -> bool| all.iter().filter(f).copied().collect::<Vec<_>>();
+    let mut cluster = pick(&ready);
+    if cluster.is_empty() {
+        cluster = pick(&serving_terminating);
+    }
+    let mut local = Vec::new();
+    if uses_local {
+        local = pick(&|b| is_local(b) && ready(b));
+        if local.is_empty() {
+            local = pick(&|b| is_local(b) && serving_terminating(b));
+        }
+    }
+    let any = all.iter().any(|b| ready(&b) || serving_terminating(&b));
+    Categorized { cluster, local, any }
+}
+
+/// Every endpoint of a service port, once (by address and port), with its
+/// conditions as flags; `categorize` decides which ones serve.
 fn select_endpoints(
     slices: &[&EndpointSlice],
     port_name: &str,
@@ -207,14 +413,7 @@ fn select_endpoints(
                 .or_insert(backend);
         }
     }
-    let ready: Vec<DesiredBackend> = all.values().filter(|b| b.flags & BACKEND_READY != 0).copied().collect();
-    if !ready.is_empty() {
-        return ready;
-    }
-    all.values()
-        .filter(|b| b.flags & BACKEND_SERVING != 0 && b.flags & BACKEND_TERMINATING != 0)
-        .copied()
-        .collect()
+    all.into_values().collect()
 }
 
 /// A Kubernetes protocol name (unset means TCP) as an IP protocol number.
@@ -279,7 +478,7 @@ mod tests {
     }
 
     fn cfg() -> ModelConfig {
-        ModelConfig { node_name: "node-a".into() }
+        ModelConfig { node_name: "node-a".into(), ..Default::default() }
     }
 
     fn backends_of(state: &DesiredState, name: &str) -> Vec<String> {
@@ -333,7 +532,8 @@ endpoints:
             scope: SCOPE_INTERNAL,
         };
         assert_eq!(state.frontends[&key].set.service.to_string(), "shop/web:http");
-        assert_eq!(state.frontends.len(), 2);
+        // Two ports, each for in-cluster and other sources.
+        assert_eq!(state.frontends.len(), 4);
         let local = state.backend_sets.values().flatten().find(|b| b.addr.to_string() == "10.244.0.11").unwrap();
         assert_ne!(local.flags & BACKEND_LOCAL, 0);
     }
@@ -373,8 +573,8 @@ metadata: {name: badport, namespace: a}
 spec: {clusterIP: 10.96.0.7, ports: [{name: a, port: 70000}, {name: b, port: 81, protocol: ICMP}, {name: c, port: 82}]}
 "#;
         let (state, errors) = build(&snapshot(yaml), &cfg());
-        let names: Vec<String> = state.frontends.values().map(|f| f.set.service.to_string()).collect();
-        assert_eq!(names, ["a/badport:c"]);
+        let names: BTreeSet<String> = state.frontends.values().map(|f| f.set.service.to_string()).collect();
+        assert_eq!(names, BTreeSet::from(["a/badport:c".to_string()]));
         let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
         assert!(text.iter().any(|e| e.starts_with("service a/bad:") && e.contains("10.96.300.1")), "{text:?}");
         assert!(text.iter().any(|e| e.contains("a/badport") && e.contains("70000")), "{text:?}");
@@ -385,7 +585,123 @@ spec: {clusterIP: 10.96.0.7, ports: [{name: a, port: 70000}, {name: b, port: 81,
     fn service_without_endpoints_has_an_empty_set() {
         let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: lonely, namespace: a}\nspec: {clusterIP: 10.96.0.9, ports: [{port: 80}]}\n";
         let (state, _) = build(&snapshot(yaml), &cfg());
-        assert_eq!(state.frontends.len(), 1);
+        assert_eq!(state.frontends.len(), 2);
         assert!(state.backend_sets.values().all(Vec::is_empty));
+        // No endpoint anywhere: REJECT, not DROP.
+        assert!(state.frontends.values().all(|f| f.flags & SVC_DROP_IF_EMPTY == 0));
+        assert_eq!(state.cluster_ips.len(), 1);
+    }
+
+    const NODE_IP: &str = "192.168.0.2";
+
+    /// kube-proxy's test conventions: pods 10.0.0.0/8, node 192.168.0.2.
+    fn node_cfg() -> ModelConfig {
+        ModelConfig {
+            node_name: "node-a".into(),
+            node_addresses: vec![NODE_IP.parse().unwrap(), "192.168.1.2".parse().unwrap()],
+            node_port_addresses: vec!["192.168.0.2/32".parse().unwrap()],
+            detect_local: true,
+            masquerade_all: false,
+        }
+    }
+
+    /// A LoadBalancer Service with an ExternalIP, NodePort 30080 and one
+    /// endpoint on this node and one elsewhere.
+    fn lb(extra_spec: &str, local_ready: bool) -> String {
+        format!(
+            r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: lb, namespace: ns}}
+spec:
+  type: LoadBalancer
+  clusterIP: 172.30.0.42
+  externalIPs: [192.168.99.22]
+  ports: [{{name: p80, port: 80, nodePort: 30080}}]
+  {extra_spec}
+status: {{loadBalancer: {{ingress: [{{ip: 1.2.3.4}}]}}}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: lb-1, namespace: ns, labels: {{kubernetes.io/service-name: lb}}}}
+addressType: IPv4
+ports: [{{name: p80, port: 8080}}]
+endpoints:
+- {{addresses: [10.180.0.1], nodeName: node-a, conditions: {{ready: {local_ready}}}}}
+- {{addresses: [10.180.0.2], nodeName: node-b}}
+"#
+        )
+    }
+
+    /// (kind, scope) -> (backends, flags) for every frontend on `ip:port`.
+    fn frontends_at(state: &DesiredState, ip: &str, port: u16) -> Vec<(u8, u8, Vec<String>, u8)> {
+        let addr = Addr::from(ip.parse::<IpAddr>().unwrap());
+        state
+            .frontends
+            .iter()
+            .filter(|(k, _)| k.addr == addr && k.port == port.to_be())
+            .map(|(k, f)| {
+                let backends = state.backend_sets[&f.set].iter().map(|b| b.addr.to_string()).collect();
+                (f.kind, k.scope, backends, f.flags)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn external_traffic_policy_cluster_masquerades_every_external_frontend() {
+        let (state, errors) = build(&snapshot(&lb("externalTrafficPolicy: Cluster", true)), &node_cfg());
+        assert!(errors.is_empty(), "{errors:?}");
+        let both = vec!["10.180.0.1".to_string(), "10.180.0.2".to_string()];
+        for (ip, port, kind) in [(NODE_IP, 30080, KIND_NODE_PORT), ("192.168.99.22", 80, KIND_EXTERNAL_IP), ("1.2.3.4", 80, KIND_LOAD_BALANCER)] {
+            let want = vec![(kind, SCOPE_INTERNAL, both.clone(), SVC_MASQUERADE), (kind, SCOPE_EXTERNAL, both.clone(), SVC_MASQUERADE)];
+            assert_eq!(frontends_at(&state, ip, port), want, "{ip}:{port}");
+        }
+        // NodePorts only on --node-port-addresses.
+        assert!(frontends_at(&state, "192.168.1.2", 30080).is_empty());
+        // The ClusterIP masquerades only sources outside the cluster CIDR.
+        let want = vec![(KIND_CLUSTER_IP, SCOPE_INTERNAL, both.clone(), 0), (KIND_CLUSTER_IP, SCOPE_EXTERNAL, both, SVC_MASQUERADE)];
+        assert_eq!(frontends_at(&state, "172.30.0.42", 80), want);
+    }
+
+    #[test]
+    fn external_traffic_policy_local_keeps_the_client_and_short_circuits_pods() {
+        let (state, _) = build(&snapshot(&lb("externalTrafficPolicy: Local", true)), &node_cfg());
+        let local = vec!["10.180.0.1".to_string()];
+        let both = vec!["10.180.0.1".to_string(), "10.180.0.2".to_string()];
+        assert_eq!(
+            frontends_at(&state, "1.2.3.4", 80),
+            vec![(KIND_LOAD_BALANCER, SCOPE_INTERNAL, both, 0), (KIND_LOAD_BALANCER, SCOPE_EXTERNAL, local, 0)]
+        );
+        // No local endpoint: external sources are dropped, pods still served.
+        let (state, _) = build(&snapshot(&lb("externalTrafficPolicy: Local", false)), &node_cfg());
+        let got = frontends_at(&state, NODE_IP, 30080);
+        assert_eq!(got[0], (KIND_NODE_PORT, SCOPE_INTERNAL, vec!["10.180.0.2".to_string()], 0));
+        assert_eq!(got[1], (KIND_NODE_PORT, SCOPE_EXTERNAL, vec![], SVC_DROP_IF_EMPTY));
+    }
+
+    #[test]
+    fn local_policies_fall_back_to_local_serving_terminating_endpoints() {
+        let yaml = lb("internalTrafficPolicy: Local", false)
+            .replace("conditions: {ready: false}", "conditions: {ready: false, serving: true, terminating: true}");
+        let (state, _) = build(&snapshot(&yaml), &node_cfg());
+        let got = frontends_at(&state, "172.30.0.42", 80);
+        assert_eq!(got[0], (KIND_CLUSTER_IP, SCOPE_INTERNAL, vec!["10.180.0.1".to_string()], 0));
+        // With nothing local at all, internal traffic is dropped (endpoints exist elsewhere).
+        let yaml = lb("internalTrafficPolicy: Local", false);
+        let (state, _) = build(&snapshot(&yaml), &node_cfg());
+        assert_eq!(frontends_at(&state, "172.30.0.42", 80)[0], (KIND_CLUSTER_IP, SCOPE_INTERNAL, vec![], SVC_DROP_IF_EMPTY));
+    }
+
+    #[test]
+    fn source_ranges_guard_load_balancer_ips_only_and_affinity_defaults() {
+        let extra = "loadBalancerSourceRanges: [' 203.0.113.0/25', bogus]\n  sessionAffinity: ClientIP";
+        let (state, errors) = build(&snapshot(&lb(extra, true)), &node_cfg());
+        assert!(errors.iter().any(|e| e.reason.contains("bogus")), "{errors:?}");
+        for (_, f) in state.frontends.iter() {
+            assert_eq!(f.flags & SVC_SOURCE_RANGES != 0, f.kind == KIND_LOAD_BALANCER, "{f:?}");
+            assert_eq!(f.affinity_timeout_s, DEFAULT_AFFINITY_TIMEOUT_S);
+        }
+        let nets: BTreeSet<String> = state.source_ranges.values().flatten().map(ToString::to_string).collect();
+        assert_eq!(nets, BTreeSet::from(["203.0.113.0/25".to_string()]));
     }
 }

@@ -4,11 +4,12 @@
 //! removals last. IDs come from what the maps already hold, so a restarted
 //! agent keeps every service and backend ID and no flow is disturbed.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 
 use anyhow::{Context, Result};
-use proxy_common::{Addr, Backend, FrontendKey, ServiceEntry, ServiceName, SlotKey};
+use ipnet::IpNet;
+use proxy_common::{Addr, Backend, FrontendKey, KIND_CLUSTER_IP, ServiceEntry, ServiceName, SlotKey, cluster_ip_marker};
 
 use crate::model::{BackendSetKey, DesiredState};
 
@@ -18,8 +19,10 @@ pub struct Contents {
     pub frontends: HashMap<FrontendKey, ServiceEntry>,
     pub slots: HashMap<SlotKey, u32>,
     pub backends: HashMap<u32, Backend>,
-    /// service ID -> (`namespace/name:port`, scope)
+    /// service ID -> (`namespace/name:port`, endpoint policy)
     pub names: HashMap<u32, (String, u8)>,
+    /// loadBalancerSourceRanges entries: (service ID, allowed prefix).
+    pub source_ranges: HashSet<(u32, IpNet)>,
 }
 
 /// Writes to the datapath maps. The real one is `maps::Maps`; tests use `Contents`.
@@ -32,6 +35,8 @@ pub trait MapWriter {
     fn del_frontend(&mut self, key: &FrontendKey) -> Result<()>;
     fn put_name(&mut self, id: u32, name: &ServiceName) -> Result<()>;
     fn del_name(&mut self, id: u32) -> Result<()>;
+    fn put_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()>;
+    fn del_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()>;
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -76,9 +81,9 @@ impl Reconciler {
         }
         for (set, &id) in &service_ids {
             let name = set.service.to_string();
-            if self.held.names.get(&id) != Some(&(name.clone(), set.scope)) {
-                maps.put_name(id, &ServiceName::new(&name, set.scope))?;
-                self.held.names.insert(id, (name, set.scope));
+            if self.held.names.get(&id) != Some(&(name.clone(), set.policy)) {
+                maps.put_name(id, &ServiceName::new(&name, set.policy))?;
+                self.held.names.insert(id, (name, set.policy));
                 stats.writes += 1;
             }
         }
@@ -96,25 +101,36 @@ impl Reconciler {
                 }
             }
         }
-        for (key, fe) in &desired.frontends {
-            let want = ServiceEntry {
-                service_id: service_ids[&fe.set],
-                backend_count: desired.backend_sets.get(&fe.set).map_or(0, Vec::len) as u32,
-                kind: fe.kind,
-                ..Default::default()
-            };
-            if self.held.frontends.get(key) != Some(&want) {
-                maps.put_frontend(key, &want).with_context(|| format!("frontend of {}", fe.set.service))?;
-                self.held.frontends.insert(*key, want);
+        // Source ranges before the frontends that consult them.
+        let want_ranges: HashSet<(u32, IpNet)> =
+            desired.source_ranges.iter().flat_map(|(set, nets)| nets.iter().map(|n| (service_ids[set], *n))).collect();
+        for r in &want_ranges {
+            if !self.held.source_ranges.contains(r) {
+                maps.put_source_range(r.0, &r.1)?;
+                self.held.source_ranges.insert(*r);
+                stats.writes += 1;
+            }
+        }
+        let want_frontends = self.frontend_entries(desired, &service_ids);
+        for (key, want) in &want_frontends {
+            if self.held.frontends.get(key) != Some(want) {
+                maps.put_frontend(key, want).with_context(|| format!("frontend {}:{}", key.addr, u16::from_be(key.port)))?;
+                self.held.frontends.insert(*key, *want);
                 stats.writes += 1;
             }
         }
 
-        // 3. Removals: frontends, then the slots and names behind them, then backends.
-        let stale: Vec<FrontendKey> = self.held.frontends.keys().filter(|k| !desired.frontends.contains_key(k)).copied().collect();
+        // 3. Removals: frontends, then what stood behind them, then backends.
+        let stale: Vec<FrontendKey> = self.held.frontends.keys().filter(|k| !want_frontends.contains_key(k)).copied().collect();
         for key in stale {
             maps.del_frontend(&key)?;
             self.held.frontends.remove(&key);
+            stats.deletes += 1;
+        }
+        let stale: Vec<(u32, IpNet)> = self.held.source_ranges.difference(&want_ranges).copied().collect();
+        for r in stale {
+            maps.del_source_range(r.0, &r.1)?;
+            self.held.source_ranges.remove(&r);
             stats.deletes += 1;
         }
         let slot_counts: HashMap<u32, u32> =
@@ -151,16 +167,38 @@ impl Reconciler {
         Ok(stats)
     }
 
-    /// Existing IDs by name and scope; new ones take the lowest free ID.
+    /// Every frontend entry the maps should hold: the service frontends, and
+    /// a marker per ClusterIP so its unserved ports are rejected.
+    fn frontend_entries(&self, desired: &DesiredState, service_ids: &BTreeMap<BackendSetKey, u32>) -> HashMap<FrontendKey, ServiceEntry> {
+        let mut entries: HashMap<FrontendKey, ServiceEntry> = desired
+            .cluster_ips
+            .iter()
+            .map(|ip| (cluster_ip_marker(Addr::from(*ip)), ServiceEntry { kind: KIND_CLUSTER_IP, ..Default::default() }))
+            .collect();
+        for (key, fe) in &desired.frontends {
+            let entry = ServiceEntry {
+                service_id: service_ids[&fe.set],
+                backend_count: desired.backend_sets.get(&fe.set).map_or(0, Vec::len) as u32,
+                kind: fe.kind,
+                flags: fe.flags,
+                affinity_timeout_s: fe.affinity_timeout_s,
+                ..Default::default()
+            };
+            entries.insert(*key, entry);
+        }
+        entries
+    }
+
+    /// Existing IDs by name and endpoint policy; new ones take the lowest free ID.
     fn service_ids(&self, desired: &DesiredState) -> BTreeMap<BackendSetKey, u32> {
         let by_name: HashMap<(&str, u8), u32> =
-            self.held.names.iter().map(|(id, (name, scope))| ((name.as_str(), *scope), *id)).collect();
+            self.held.names.iter().map(|(id, (name, policy))| ((name.as_str(), *policy), *id)).collect();
         let mut free = FreeIds::new(self.held.names.keys().copied());
         desired
             .backend_sets
             .keys()
             .map(|set| {
-                let id = by_name.get(&(set.service.to_string().as_str(), set.scope)).copied().unwrap_or_else(|| free.take());
+                let id = by_name.get(&(set.service.to_string().as_str(), set.policy)).copied().unwrap_or_else(|| free.take());
                 (set.clone(), id)
             })
             .collect()
@@ -225,11 +263,19 @@ impl MapWriter for Contents {
         Ok(())
     }
     fn put_name(&mut self, id: u32, name: &ServiceName) -> Result<()> {
-        self.names.insert(id, (name.as_str().to_string(), name.scope));
+        self.names.insert(id, (name.as_str().to_string(), name.policy));
         Ok(())
     }
     fn del_name(&mut self, id: u32) -> Result<()> {
         self.names.remove(&id);
+        Ok(())
+    }
+    fn put_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()> {
+        self.source_ranges.insert((service_id, *net));
+        Ok(())
+    }
+    fn del_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()> {
+        self.source_ranges.remove(&(service_id, *net));
         Ok(())
     }
 }
@@ -238,12 +284,12 @@ impl MapWriter for Contents {
 mod tests {
     use super::*;
     use crate::model::{DesiredBackend, DesiredFrontend, ServicePortName};
-    use proxy_common::{BACKEND_READY, IPPROTO_TCP, KIND_CLUSTER_IP, SCOPE_INTERNAL};
+    use proxy_common::{BACKEND_READY, IPPROTO_TCP, KIND_CLUSTER_IP, POLICY_CLUSTER, SCOPE_INTERNAL};
 
     fn set(name: &str) -> BackendSetKey {
         BackendSetKey {
             service: ServicePortName { namespace: "default".into(), name: name.into(), port: "http".into() },
-            scope: SCOPE_INTERNAL,
+            policy: POLICY_CLUSTER,
         }
     }
 
@@ -259,7 +305,7 @@ mod tests {
         let mut d = DesiredState::default();
         for (name, vip, backends) in services {
             d.backend_sets.insert(set(name), backends.iter().map(|b| backend(b)).collect());
-            d.frontends.insert(frontend(vip), DesiredFrontend { set: set(name), kind: KIND_CLUSTER_IP });
+            d.frontends.insert(frontend(vip), DesiredFrontend { set: set(name), kind: KIND_CLUSTER_IP, flags: 0, affinity_timeout_s: 0 });
         }
         d
     }
@@ -340,6 +386,8 @@ mod tests {
             fn del_frontend(&mut self, k: &FrontendKey) -> Result<()> { self.0.del_frontend(k) }
             fn put_name(&mut self, id: u32, n: &ServiceName) -> Result<()> { self.0.put_name(id, n) }
             fn del_name(&mut self, id: u32) -> Result<()> { self.0.del_name(id) }
+            fn put_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> { self.0.put_source_range(id, n) }
+            fn del_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> { self.0.del_source_range(id, n) }
         }
         let d = desired(&[("a", "10.96.0.1", &["10.0.0.1"])]);
         let mut maps = FailOnce(Contents::default(), true);

@@ -144,9 +144,18 @@ pub fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> Resu
 
 /// Whether a TCX ingress program is attached to `ifname` in `node`.
 pub fn tc_attached(node: &Netns, ifname: &str) -> Result<bool> {
+    tcx_attached(node, ifname, aya::programs::TcAttachType::Ingress)
+}
+
+/// Whether any TCX program is attached at egress of `ifname` in `node`.
+pub fn tc_attached_egress(node: &Netns, ifname: &str) -> Result<bool> {
+    tcx_attached(node, ifname, aya::programs::TcAttachType::Egress)
+}
+
+fn tcx_attached(node: &Netns, ifname: &str, attach_type: aya::programs::TcAttachType) -> Result<bool> {
     let name = std::ffi::CString::new(ifname)?;
     node.run(move || {
-        aya::programs::SchedClassifier::query_tcx(name.as_c_str(), aya::programs::TcAttachType::Ingress)
+        aya::programs::SchedClassifier::query_tcx(name.as_c_str(), attach_type)
             .map(|(_, progs)| !progs.is_empty())
             .map_err(anyhow::Error::from)
     })?

@@ -111,6 +111,40 @@ pub fn tcp_request(ns: &Netns, to: SocketAddr) -> Result<Reply> {
     })?
 }
 
+/// Like `tcp_request`, from a chosen source address and with a timeout, so
+/// a DROP (timeout) and a REJECT (refused) can be told apart.
+pub fn tcp_request_from(ns: &Netns, from: Option<std::net::IpAddr>, to: SocketAddr, timeout: Duration) -> std::io::Result<Reply> {
+    ns.run(move || -> std::io::Result<Reply> {
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        if let Some(ip) = from {
+            socket.bind(&SocketAddr::new(ip, 0).into())?;
+        }
+        socket.connect_timeout(&to.into(), timeout)?;
+        let mut s: TcpStream = socket.into();
+        s.set_read_timeout(Some(timeout))?;
+        s.write_all(b"hello\n")?;
+        let mut text = String::new();
+        s.read_to_string(&mut text)?;
+        parse_reply(&text, s.peer_addr()?).map_err(std::io::Error::other)
+    })
+    .map_err(std::io::Error::other)?
+}
+
+/// One datagram on a connected UDP socket: a REJECT (ICMP port
+/// unreachable) shows as ECONNREFUSED on the receive.
+pub fn udp_request_connected(ns: &Netns, to: SocketAddr, timeout: Duration) -> std::io::Result<Reply> {
+    ns.run(move || -> std::io::Result<Reply> {
+        let s = UdpSocket::bind(("0.0.0.0", 0))?;
+        s.connect(to)?;
+        s.set_read_timeout(Some(timeout))?;
+        s.send(b"hello\n")?;
+        let mut buf = [0u8; 1500];
+        let n = s.recv(&mut buf)?;
+        parse_reply(&String::from_utf8_lossy(&buf[..n]), to).map_err(std::io::Error::other)
+    })
+    .map_err(std::io::Error::other)?
+}
+
 /// Sends one datagram from a fresh socket in `ns` and waits for the answer.
 pub fn udp_request(ns: &Netns, to: SocketAddr) -> Result<Reply> {
     ns.run(move || -> Result<Reply> {

@@ -65,6 +65,46 @@ impl Node {
     }
 }
 
+/// A host outside the cluster on a LAN with the node: the node holds
+/// `node_ip`/24 on its end, the host `client_ips` (the first one /24, the
+/// rest /32) with routes to `via_node` CIDRs through the node.
+pub struct External {
+    pub ns: Netns,
+    pub node_if: String,
+}
+
+impl Node {
+    pub fn add_external(&mut self, name: &str, node_ip: Ipv4Addr, client_ips: &[Ipv4Addr], via_node: &[&str]) -> Result<External> {
+        let ns = Netns::new(&format!("{}-{name}", self.prefix))?;
+        let node_if = format!("{}l{}", self.prefix, self.next_if);
+        self.next_if += 1;
+        self.ns
+            .ip(&["link", "add", &node_if, "type", "veth", "peer", "name", "eth0", "netns", &ns.name])
+            .with_context(|| format!("veth for {name}"))?;
+        let out = self.ns.command("ethtool").args(["-K", &node_if, "tx", "off"]).output()?;
+        anyhow::ensure!(out.status.success(), "ethtool -K {node_if} tx off: {}", String::from_utf8_lossy(&out.stderr));
+        self.ns.ip(&["addr", "add", &format!("{node_ip}/24"), "dev", &node_if])?;
+        self.ns.ip(&["link", "set", &node_if, "up"])?;
+        ns.ip(&["link", "set", "eth0", "up"])?;
+        for (i, ip) in client_ips.iter().enumerate() {
+            let len = if i == 0 { 24 } else { 32 };
+            ns.ip(&["addr", "add", &format!("{ip}/{len}"), "dev", "eth0"])?;
+        }
+        let node_mac = mac_of(&self.ns, &node_if)?;
+        let client_mac = mac_of(&ns, "eth0")?;
+        ns.ip(&["route", "add", &format!("{node_ip}/32"), "dev", "eth0", "scope", "link"])?;
+        ns.ip(&["neigh", "replace", &node_ip.to_string(), "lladdr", &node_mac, "dev", "eth0", "nud", "permanent"])?;
+        for net in via_node {
+            ns.ip(&["route", "add", net, "via", &node_ip.to_string(), "dev", "eth0"])?;
+        }
+        for ip in client_ips {
+            self.ns.ip(&["route", "replace", &format!("{ip}/32"), "dev", &node_if])?;
+            self.ns.ip(&["neigh", "replace", &ip.to_string(), "lladdr", &client_mac, "dev", &node_if, "nud", "permanent"])?;
+        }
+        Ok(External { ns, node_if })
+    }
+}
+
 fn mac_of(ns: &Netns, ifname: &str) -> Result<String> {
     let out = ns.ip(&["-o", "link", "show", "dev", ifname])?;
     out.split_whitespace()

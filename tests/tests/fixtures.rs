@@ -17,17 +17,19 @@ use aya::{
 };
 use etherparse::{
     IpHeaders, IpNumber, Ipv4Header, Ipv4Options, NetHeaders, PacketBuilder, PacketHeaders, TcpHeader,
-    TransportHeader,
+    TransportHeader, icmpv4::DestUnreachableHeader, Icmpv4Type,
 };
 use proxy_common::*;
 use proxy_tests::{bpffs::Bpffs, is_root};
 use proxy_user::{
-    maps::{self, Maps, TC_PROGRAM},
+    maps::{self, Maps, TC_EGRESS, TC_INGRESS},
     reconciler::MapWriter,
 };
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
+/// bpf_redirect(): a REJECT goes back out the interface it came in on.
+const TC_ACT_REDIRECT: u32 = 7;
 /// TC_ACT_UNSPEC (-1): not ours, left to whatever runs next.
 const TC_ACT_UNSPEC: u32 = u32::MAX;
 
@@ -39,6 +41,20 @@ const VIP: [u8; 4] = [10, 96, 0, 10];
 const VIP_EMPTY: [u8; 4] = [10, 96, 0, 20];
 /// No service at all.
 const NOWHERE: [u8; 4] = [10, 96, 0, 99];
+/// The verdict fixture's service CIDR holds the VIPs above, NOWHERE too.
+const SERVICE_CIDR: &str = "10.96.0.0/16";
+/// ... and its cluster CIDR holds CLIENT and BACKEND; EXTERNAL is outside.
+const CLUSTER_CIDR: &str = "10.244.0.0/16";
+const EXTERNAL: [u8; 4] = [203, 0, 113, 2];
+const EXTERNAL_BLOCKED: [u8; 4] = [203, 0, 113, 130];
+/// A LoadBalancer IP reserved to 203.0.113.0/25, served by the TCP backend.
+const LB_IP: [u8; 4] = [1, 2, 3, 4];
+const LB_SOURCE_RANGE: &str = "203.0.113.0/25";
+/// A Local-policy frontend with no local endpoint.
+const LOCAL_EMPTY: [u8; 4] = [10, 96, 0, 30];
+const LOCAL_EMPTY_SERVICE_ID: u32 = 5;
+/// The node address masqueraded flows leave with.
+const NODE_IP: [u8; 4] = [192, 168, 0, 2];
 
 const TCP_BACKEND_ID: u32 = 1;
 const UDP_BACKEND_ID: u32 = 2;
@@ -61,6 +77,9 @@ enum Expect {
     Translated(Vec<u8>),
 }
 
+/// The mark tc_ingress sets on a flow to masquerade (`None`: any mark is fine).
+type WantMark = Option<u32>;
+
 struct Case {
     what: String,
     input: Vec<u8>,
@@ -70,11 +89,15 @@ struct Case {
     counters: Vec<Counter>,
     /// A check of the map state after the case ran.
     after: Option<fn(&Maps) -> Result<(), String>>,
+    /// Run tc_egress with this skb mark instead of tc_ingress.
+    egress_mark: Option<u32>,
+    /// The skb mark the program must leave.
+    mark: WantMark,
 }
 
 impl Case {
     fn new(what: &str, input: Vec<u8>, verdict: u32, output: Expect, counters: &[Counter]) -> Self {
-        Case { what: what.to_string(), input, verdict, output, counters: counters.to_vec(), after: None }
+        Case { what: what.to_string(), input, verdict, output, counters: counters.to_vec(), after: None, egress_mark: None, mark: None }
     }
 
     fn translated(what: &str, input: Vec<u8>, want: Vec<u8>, counter: Counter) -> Self {
@@ -87,6 +110,27 @@ impl Case {
 
     fn then(mut self, check: fn(&Maps) -> Result<(), String>) -> Self {
         self.after = Some(check);
+        self
+    }
+
+    /// A REJECT: the frame comes back from the address the client dialled,
+    /// as a TCP RST for TCP, ICMP port unreachable otherwise.
+    fn rejected(what: &str, input: Vec<u8>) -> Self {
+        let want = reject_of(&input);
+        Case::new(what, input, TC_ACT_REDIRECT, Expect::Translated(want), &[Counter::Rejected])
+    }
+
+    fn dropped(what: &str, input: Vec<u8>, counter: Counter) -> Self {
+        Case::new(what, input, TC_ACT_SHOT, Expect::Unchanged, &[counter])
+    }
+
+    fn at_egress(mut self, mark: u32) -> Self {
+        self.egress_mark = Some(mark);
+        self
+    }
+
+    fn leaves_mark(mut self, mark: u32) -> Self {
+        self.mark = Some(mark);
         self
     }
 }
@@ -113,24 +157,45 @@ fn translation_cases() -> Vec<Case> {
             tcp_data(client, backend_http, data),
             Counter::Established,
         ),
-        Case::translated(
-            "TCP reply 10.244.0.11:8080 -> 10.244.0.2:40000 comes from 10.96.0.10:80",
+        Case::new(
+            "TCP reply 10.244.0.11:8080 -> 10.244.0.2:40000: recognised at ingress, marked for egress",
             tcp_data(backend_http, client, b"HTTP/1.1 200 OK\r\n\r\n"),
-            tcp_data(vip_http, client, b"HTTP/1.1 200 OK\r\n\r\n"),
-            Counter::Reply,
-        ),
+            TC_ACT_OK,
+            Expect::Unchanged,
+            &[Counter::Reply],
+        )
+        .leaves_mark(REVERSE_NAT_MARK),
+        Case::new(
+            "egress: the marked reply comes from 10.96.0.10:80",
+            tcp_data(backend_http, client, b"HTTP/1.1 200 OK\r\n\r\n"),
+            TC_ACT_OK,
+            Expect::Translated(tcp_data(vip_http, client, b"HTTP/1.1 200 OK\r\n\r\n")),
+            &[],
+        )
+        .at_egress(REVERSE_NAT_MARK)
+        .leaves_mark(0),
         Case::translated(
             "UDP 10.244.0.2:40001 -> 10.96.0.10:53 goes to 10.244.0.11:5353",
             udp((CLIENT, 40001), (VIP, 53), udp_payload),
             udp((CLIENT, 40001), (BACKEND, 5353), udp_payload),
             Counter::NewFlow,
         ),
-        Case::translated(
-            "UDP reply 10.244.0.11:5353 -> 10.244.0.2:40001 comes from 10.96.0.10:53",
+        Case::new(
+            "UDP reply 10.244.0.11:5353 -> 10.244.0.2:40001: marked for egress",
             udp((BACKEND, 5353), (CLIENT, 40001), udp_payload),
-            udp((VIP, 53), (CLIENT, 40001), udp_payload),
-            Counter::Reply,
-        ),
+            TC_ACT_OK,
+            Expect::Unchanged,
+            &[Counter::Reply],
+        )
+        .leaves_mark(REVERSE_NAT_MARK),
+        Case::new(
+            "egress: the marked UDP reply comes from 10.96.0.10:53",
+            udp((BACKEND, 5353), (CLIENT, 40001), udp_payload),
+            TC_ACT_OK,
+            Expect::Translated(udp((VIP, 53), (CLIENT, 40001), udp_payload)),
+            &[],
+        )
+        .at_egress(REVERSE_NAT_MARK),
         Case::translated(
             "UDP without checksum (0) -> 10.96.0.10:53: rewritten, checksum stays 0",
             without_udp_checksum(udp((CLIENT, 40002), (VIP, 53), udp_payload)),
@@ -155,13 +220,105 @@ fn translation_cases() -> Vec<Case> {
             Counter::Passed,
         ),
         Case::new(
-            "TCP SYN -> 10.96.0.20:80, a service with no backend: dropped",
+            "TCP SYN -> 10.96.0.20:80, a service with no backend: rejected (RST)",
             tcp_syn(client, (VIP_EMPTY, 80)),
-            TC_ACT_SHOT,
-            Expect::Unchanged,
-            &[Counter::NoBackend],
+            TC_ACT_REDIRECT,
+            Expect::Translated(reject_of(&tcp_syn(client, (VIP_EMPTY, 80)))),
+            &[Counter::NoBackend, Counter::Rejected],
         ),
     ]
+}
+
+/// kube-proxy's verdicts beyond translation, with the maps as the agent
+/// fills them for a cluster CIDR and a service CIDR: REJECT, DROP, source
+/// ranges, masquerade (the mark at ingress, the SNAT at egress, the reply).
+fn verdict_cases() -> Vec<Case> {
+    let ext = (EXTERNAL, 40000);
+    vec![
+        Case::rejected("UDP -> 10.96.0.20:53, a ClusterIP on a port it does not serve", udp((CLIENT, 40000), (VIP_EMPTY, 53), b"q")),
+        Case::rejected("TCP SYN -> 10.96.0.10:81, a served ClusterIP on another port", tcp_syn((CLIENT, 40000), (VIP, 81))),
+        Case::dropped("TCP SYN -> 10.96.0.99:80, unallocated in the service CIDR", tcp_syn((CLIENT, 40000), (NOWHERE, 80)), Counter::DropUnallocated),
+        Case::untouched("TCP SYN -> 10.97.0.1:80, outside the service CIDR", tcp_syn((CLIENT, 40000), ([10, 97, 0, 1], 80)), Counter::Passed),
+        Case::dropped(
+            "TCP SYN -> 10.96.0.30:80, Local policy with endpoints only elsewhere: dropped, not rejected",
+            tcp_syn((CLIENT, 40000), (LOCAL_EMPTY, 80)),
+            Counter::DropNoLocal,
+        ),
+        Case::dropped(
+            "TCP SYN 203.0.113.130 -> LB 1.2.3.4:80, outside loadBalancerSourceRanges",
+            tcp_syn((EXTERNAL_BLOCKED, 40000), (LB_IP, 80)),
+            Counter::DropSourceRange,
+        ),
+        Case::translated(
+            "TCP SYN 203.0.113.2 -> LB 1.2.3.4:80, inside the source range: to the backend, client kept",
+            tcp_syn((EXTERNAL, 40001), (LB_IP, 80)),
+            tcp_syn((EXTERNAL, 40001), (BACKEND, 8080)),
+            Counter::NewFlow,
+        ),
+        Case::new(
+            "TCP SYN 203.0.113.2 -> ClusterIP 10.96.0.10:80 from outside the cluster CIDR: DNAT, marked for masquerade",
+            tcp_syn(ext, (VIP, 80)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn(ext, (BACKEND, 8080))),
+            &[Counter::NewFlow, Counter::Masqueraded],
+        )
+        .leaves_mark(MASQUERADE_MARK),
+        Case::new(
+            "egress: the marked SYN leaves from the node address, client port kept; mark cleared",
+            tcp_syn(ext, (BACKEND, 8080)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((NODE_IP, 40000), (BACKEND, 8080))),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK)
+        .leaves_mark(0)
+        .then(masqueraded_reply_is_tracked),
+        Case::new(
+            "reply 10.244.0.11:8080 -> 192.168.0.2:40000: at ingress, back to 203.0.113.2:40000",
+            tcp_data((BACKEND, 8080), (NODE_IP, 40000), b"ok"),
+            TC_ACT_OK,
+            Expect::Translated(tcp_data((BACKEND, 8080), ext, b"ok")),
+            &[Counter::Reply],
+        )
+        .leaves_mark(REVERSE_NAT_MARK),
+        Case::new(
+            "egress: ... and from 10.96.0.10:80",
+            tcp_data((BACKEND, 8080), ext, b"ok"),
+            TC_ACT_OK,
+            Expect::Translated(tcp_data((VIP, 80), ext, b"ok")),
+            &[],
+        )
+        .at_egress(REVERSE_NAT_MARK),
+        Case::new(
+            "egress: the same flow's next packet reuses its SNAT entry",
+            tcp_data(ext, (BACKEND, 8080), b"more"),
+            TC_ACT_OK,
+            Expect::Translated(tcp_data((NODE_IP, 40000), (BACKEND, 8080), b"more")),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK),
+        Case::new("egress: an unmarked packet is not ours", tcp_syn(ext, (BACKEND, 8080)), TC_ACT_UNSPEC, Expect::Unchanged, &[])
+            .at_egress(0),
+        Case::new(
+            "hairpin: 10.244.0.11 reaching itself through 10.96.0.10:80 is masqueraded",
+            tcp_syn((BACKEND, 40100), (VIP, 80)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((BACKEND, 40100), (BACKEND, 8080))),
+            &[Counter::NewFlow, Counter::Masqueraded],
+        )
+        .leaves_mark(MASQUERADE_MARK),
+    ]
+}
+
+fn masqueraded_reply_is_tracked(maps: &Maps) -> Result<(), String> {
+    let key = ct_key((BACKEND, 8080), (NODE_IP, 40000), IPPROTO_TCP);
+    let e = maps.conntrack.get(&key, 0).map_err(|e| format!("masqueraded reply entry {key:?}: {e}"))?;
+    let want = (CT_REPLY, CT_MASQUERADE, Addr::from_v4_octets(VIP), 80u16.to_be(), Addr::from_v4_octets(EXTERNAL), 40000u16.to_be());
+    let got = (e.direction, e.flags, e.nat_addr, e.nat_port, e.rev_addr, e.rev_port);
+    if got != want {
+        return Err(format!("masqueraded reply {got:?}, want (direction, flags, frontend, port, client, port) {want:?}"));
+    }
+    Ok(())
 }
 
 /// Frames the program must leave alone. The services are installed, so a
@@ -260,6 +417,13 @@ fn translation_fixtures() {
 }
 
 #[test]
+fn verdict_fixtures() {
+    let mut fx = Fixture::new("fixtures-verdict");
+    install_policy(&mut fx.maps).expect("filling the policy maps");
+    run_table(&fx, "verdict", verdict_cases());
+}
+
+#[test]
 fn untouched_fixtures() {
     let fx = Fixture::new("fixtures-untouched");
     run_table(&fx, "left untouched", untouched_cases());
@@ -311,27 +475,36 @@ impl Fixture {
         assert!(is_root(), "needs root (BPF)");
         let bpffs = Bpffs::new(label).expect("mounting a private bpffs");
         let (mut ebpf, mut maps) = maps::load(bpffs.path()).expect("loading the BPF object");
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut(TC_PROGRAM)
-            .expect("tc program in the object")
-            .try_into()
-            .expect("tc program is a classifier");
-        prog.load().expect("verifier accepts tc_ingress");
+        for name in [TC_INGRESS, TC_EGRESS] {
+            let prog: &mut SchedClassifier =
+                ebpf.program_mut(name).expect("tc program in the object").try_into().expect("tc program is a classifier");
+            prog.load().unwrap_or_else(|e| panic!("verifier rejects {name}: {}", error_chain(&e)));
+        }
         install_services(&mut maps).expect("filling the service maps");
+        // As the agent does without --cluster-cidr: every source in-cluster.
+        maps.write_node_config(&Default::default(), &[], &[]).expect("node settings");
         Fixture { ebpf, maps, _bpffs: bpffs }
     }
 
-    /// One BPF_PROG_TEST_RUN: the verdict and the frame as the program left it.
-    fn run(&self, input: &[u8]) -> Result<(u32, Vec<u8>), ProgramError> {
-        let prog: &SchedClassifier = self.ebpf.program(TC_PROGRAM).unwrap().try_into().unwrap();
+    /// One BPF_PROG_TEST_RUN: the verdict, the frame as the program left it,
+    /// and the skb mark (given in, read back).
+    fn run(&self, program: &str, input: &[u8], mark: u32) -> Result<(u32, Vec<u8>, u32), ProgramError> {
+        let prog: &SchedClassifier = self.ebpf.program(program).unwrap().try_into().unwrap();
         let mut out = vec![0u8; input.len() + 256];
+        // The head of struct __sk_buff: len, pkt_type (both 0 on input), mark.
+        let mut ctx_in = [0u8; 12];
+        ctx_in[8..12].copy_from_slice(&mark.to_ne_bytes());
+        // The kernel writes back the whole struct (ENOSPC if it does not fit).
+        let mut ctx_out = [0u8; 512];
         let res = prog.test_run(TestRunOptions {
             data_in: Some(input),
             data_out: Some(&mut out),
+            ctx_in: Some(&ctx_in),
+            ctx_out: Some(&mut ctx_out),
             ..TestRunOptions::new()
         })?;
         out.truncate(res.data_size_out as usize);
-        Ok((res.return_value, out))
+        Ok((res.return_value, out, u32::from_ne_bytes(ctx_out[8..12].try_into().unwrap())))
     }
 
     fn counters(&self) -> Vec<u64> {
@@ -367,6 +540,26 @@ fn install_services(m: &mut Maps) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What the agent adds for kube-proxy's policies: cluster and service CIDRs,
+/// the node address to masquerade with, ClusterIP markers, a LoadBalancer
+/// frontend with source ranges, a masquerading external-scope frontend and a
+/// Local-policy frontend without local endpoints.
+fn install_policy(m: &mut Maps) -> anyhow::Result<()> {
+    let snat = [(0u32, std::net::IpAddr::from(NODE_IP))].into_iter().collect();
+    m.write_node_config(&snat, &[CLUSTER_CIDR.parse()?], &[SERVICE_CIDR.parse()?])?;
+    for vip in [VIP, VIP_EMPTY] {
+        m.put_frontend(&cluster_ip_marker(Addr::from_v4_octets(vip)), &ServiceEntry { kind: KIND_CLUSTER_IP, ..Default::default() })?;
+    }
+    let tcp = |addr, scope| FrontendKey { addr: Addr::from_v4_octets(addr), port: 80u16.to_be(), proto: IPPROTO_TCP, scope };
+    let served = ServiceEntry { service_id: TCP_SERVICE_ID, backend_count: 1, kind: KIND_CLUSTER_IP, ..Default::default() };
+    m.put_frontend(&tcp(VIP, SCOPE_EXTERNAL), &ServiceEntry { flags: SVC_MASQUERADE, ..served })?;
+    m.put_source_range(TCP_SERVICE_ID, &LB_SOURCE_RANGE.parse()?)?;
+    m.put_frontend(&tcp(LB_IP, SCOPE_EXTERNAL), &ServiceEntry { kind: KIND_LOAD_BALANCER, flags: SVC_SOURCE_RANGES, ..served })?;
+    let local_empty = ServiceEntry { service_id: LOCAL_EMPTY_SERVICE_ID, flags: SVC_DROP_IF_EMPTY, ..Default::default() };
+    m.put_frontend(&tcp(LOCAL_EMPTY, SCOPE_INTERNAL), &local_empty)?;
+    Ok(())
+}
+
 // ---------------------------------------------------------------- running
 
 struct Row {
@@ -381,9 +574,15 @@ fn run_table(fx: &Fixture, title: &str, cases: Vec<Case>) {
     for case in cases {
         let before = fx.counters();
         let mut row = Row { what: case.what.clone(), want: case.verdict, got: None, problems: Vec::new() };
-        match fx.run(&case.input) {
+        let program = if case.egress_mark.is_some() { TC_EGRESS } else { TC_INGRESS };
+        match fx.run(program, &case.input, case.egress_mark.unwrap_or(0)) {
             Err(e) => row.problems.push(format!("BPF_PROG_TEST_RUN failed: {}", error_chain(&e))),
-            Ok((verdict, out)) => {
+            Ok((verdict, out, mark)) => {
+                if let Some(want) = case.mark
+                    && mark != want
+                {
+                    row.problems.push(format!("skb mark {mark:#x}, want {want:#x}"));
+                }
                 row.got = Some(verdict);
                 if verdict != case.verdict {
                     row.problems.push(format!("verdict {}, want {}", verdict_name(verdict), verdict_name(case.verdict)));
@@ -431,6 +630,7 @@ fn verdict_name(v: u32) -> String {
     match v {
         TC_ACT_OK => "OK".into(),
         TC_ACT_SHOT => "SHOT".into(),
+        TC_ACT_REDIRECT => "REDIRECT".into(),
         TC_ACT_UNSPEC => "UNSPEC".into(),
         v => format!("{v:#x}"),
     }
@@ -497,7 +697,13 @@ fn recheck_checksums(out: &[u8], want: &[u8]) -> Result<(), String> {
                 }
             }
         }
-        _ => bad.push("output has no TCP/UDP header".into()),
+        Some(TransportHeader::Icmpv4(icmp)) => {
+            let sum = icmp.icmp_type.calc_checksum(payload);
+            if icmp.checksum != sum {
+                bad.push(format!("ICMP checksum {:#06x}, recomputed {sum:#06x}", icmp.checksum));
+            }
+        }
+        _ => bad.push("output has no TCP/UDP/ICMP header".into()),
     }
     if bad.is_empty() { Ok(()) } else { Err(bad.join("; ")) }
 }
@@ -599,6 +805,52 @@ fn udp(src: Endpoint, dst: Endpoint, payload: &[u8]) -> Vec<u8> {
             .write(v, payload)
             .unwrap()
     })
+}
+
+/// The REJECT of a frame: a RST (seq 0, acknowledging the SYN) for TCP,
+/// else ICMP port unreachable; from the dialled address, without DF.
+fn reject_of(frame: &[u8]) -> Vec<u8> {
+    let h = PacketHeaders::from_ethernet_slice(frame).unwrap();
+    let Some(TransportHeader::Tcp(syn)) = h.transport else { return icmp_port_unreachable(frame) };
+    let Some(NetHeaders::Ipv4(ip, _)) = h.net else { panic!("IPv4 only") };
+    let mut rst = TcpHeader::new(syn.destination_port, syn.source_port, 0, 0);
+    rst.rst = true;
+    rst.ack = true;
+    rst.acknowledgment_number = syn.sequence_number.wrapping_add(1);
+    let mut out = build(|v| {
+        PacketBuilder::ethernet2(MAC_DST, MAC_SRC)
+            .ipv4(ip.destination, ip.source, 64)
+            .tcp_header(rst)
+            .write(v, &[])
+            .unwrap()
+    });
+    with_ip_header_fixed(&mut out, |h| h.dont_fragment = false);
+    out
+}
+
+/// ICMP port unreachable from the dialled address to the sender, quoting
+/// the IPv4 header and 8 bytes after it.
+fn icmp_port_unreachable(frame: &[u8]) -> Vec<u8> {
+    let ip = &frame[ETH_HLEN..];
+    let (src, dst) = (<[u8; 4]>::try_from(&ip[12..16]).unwrap(), <[u8; 4]>::try_from(&ip[16..20]).unwrap());
+    let mut out = build(|v| {
+        PacketBuilder::ethernet2(MAC_DST, MAC_SRC)
+            .ipv4(dst, src, 64)
+            .icmpv4(Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::Port))
+            .write(v, &ip[..28])
+            .unwrap()
+    });
+    // etherparse sets Don't Fragment; an ICMP error is sent without it.
+    with_ip_header_fixed(&mut out, |h| h.dont_fragment = false);
+    out
+}
+
+fn with_ip_header_fixed(frame: &mut Vec<u8>, edit: impl FnOnce(&mut Ipv4Header)) {
+    let (mut h, _) = Ipv4Header::from_slice(&frame[ETH_HLEN..]).unwrap();
+    edit(&mut h);
+    h.header_checksum = h.calc_header_checksum();
+    let bytes = h.to_bytes();
+    frame[ETH_HLEN..ETH_HLEN + bytes.len()].copy_from_slice(&bytes);
 }
 
 fn icmp_echo(src: [u8; 4], dst: [u8; 4]) -> Vec<u8> {

@@ -7,7 +7,7 @@ use std::{net::{Ipv4Addr, SocketAddr}, time::Duration};
 
 use anyhow::{Context, Result};
 use proxy_tests::{
-    agent::{Agent, agent_bin, dump_json, tc_attached},
+    agent::{Agent, agent_bin, dump_json, tc_attached, tc_attached_egress},
     bpffs::Bpffs,
     echo::{EchoServer, tcp_request, udp_request},
     is_root,
@@ -74,12 +74,14 @@ fn sigterm_keeps_serving_restart_adopts_and_cleanup_removes_everything() -> Resu
     tcp_request(&client.ns, tcp_vip).with_context(|| agent.logs())?;
     let _ = agent.stop()?;
 
-    // cleanup: nothing of ours is left, and the ClusterIP is dead again.
-    let out = std::process::Command::new(agent_bin()).args(["cleanup", "--bpffs-root"]).arg(&root).output()?;
+    // cleanup, on the node as an operator runs it: nothing of ours is left,
+    // and the ClusterIP is dead again.
+    let out = node.ns.command(agent_bin().to_str().unwrap()).args(["cleanup", "--bpffs-root"]).arg(&root).output()?;
     assert!(out.status.success(), "cleanup: {}", String::from_utf8_lossy(&out.stderr));
     assert!(!root.exists(), "{} still exists", root.display());
     for ifname in [&client.host_if, &backend.host_if, &newcomer.host_if] {
         assert!(!tc_attached(&node.ns, ifname)?, "a TC program is still attached to {ifname}");
+        assert!(!tc_attached_egress(&node.ns, ifname)?, "a TC program is still attached to {ifname} egress");
     }
     assert!(tcp_request(&client.ns, tcp_vip).is_err(), "the ClusterIP still answers after cleanup");
     Ok(())

@@ -1,0 +1,174 @@
+//! REJECT, built in BPF from the packet itself and sent back out the
+//! interface it came in on: a TCP RST for TCP (connect() fails at once with
+//! ECONNREFUSED, as kube-proxy's ICMP reject makes it fail), ICMP port
+//! unreachable for anything else.
+//!
+//! A packet from a local socket may carry CHECKSUM_PARTIAL: whoever sends
+//! it on (a NIC, or the kernel for a device without offload) will sum the
+//! bytes from the original L4 header to the end and store the result at a
+//! fixed offset (16 for TCP, 6 for UDP). The frames below are laid out so that
+//! completion produces the right checksum: the RST keeps the TCP header where
+//! it was (its checksum field holds the pseudo-header seed when partial), and
+//! for UDP the offset falls on the ICMP header's unused word, left zero, which
+//! keeps a valid ICMP checksum valid.
+
+use aya_ebpf::{helpers::bpf_redirect, programs::TcContext};
+use proxy_common::IPPROTO_TCP;
+
+use crate::{maps::SCRATCH, parse::Packet};
+
+const ETH_ALEN: usize = 6;
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const IPV4_HLEN: usize = 20;
+const TCP_HLEN: usize = 20;
+const ICMP_HLEN: usize = 8;
+/// RFC 792: the original IP header and the first 8 bytes of its payload.
+const QUOTE_LEN: usize = IPV4_HLEN + 8;
+const ICMP_L3_LEN: usize = IPV4_HLEN + ICMP_HLEN + QUOTE_LEN;
+const RST_L3_LEN: usize = IPV4_HLEN + TCP_HLEN;
+/// The largest frame built here (the ICMP one).
+pub const OUT_LEN: usize = ETH_HLEN + ICMP_L3_LEN;
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_PORT_UNREACH: u8 = 3;
+const IPPROTO_ICMP: u8 = 1;
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+const TCP_CSUM_OFF: usize = ETH_HLEN + IPV4_HLEN + 16;
+
+/// Rewrites the packet into the reject and redirects it; the caller returns
+/// the redirect verdict. Packets with IP options are not handled (fixed
+/// sizes keep the verifier simple): the caller drops those. Not inlined, and
+/// built in a per-CPU scratch buffer: the BPF stack (512 bytes for all
+/// frames) is already used by the lookup path.
+#[inline(never)]
+pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<i32, i64> {
+    if pkt.l3_off != ETH_HLEN || pkt.l4_off - pkt.l3_off != IPV4_HLEN {
+        return Err(-1);
+    }
+    let buf = unsafe { &mut *SCRATCH.get_ptr_mut(0).ok_or(-1i64)? };
+    buf.fill(0);
+    // Ethernet: back to the sender (fixed-size loads: the verifier rejects a
+    // length it cannot bound below).
+    buf[..ETH_ALEN].copy_from_slice(&ctx.load::<[u8; ETH_ALEN]>(ETH_ALEN)?);
+    buf[ETH_ALEN..2 * ETH_ALEN].copy_from_slice(&ctx.load::<[u8; ETH_ALEN]>(0)?);
+    buf[12..14].copy_from_slice(&ETH_P_IP.to_be_bytes());
+    let orig_ip: [u8; IPV4_HLEN] = ctx.load(ETH_HLEN)?;
+
+    let len = if pkt.tuple.proto == IPPROTO_TCP { tcp_rst(ctx, buf, &orig_ip)? } else { icmp_unreachable(ctx, buf, &orig_ip)? };
+    // IPv4 header: from the address the client dialled, back to the client.
+    let ip = &mut buf[ETH_HLEN..ETH_HLEN + IPV4_HLEN];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&((len - ETH_HLEN) as u16).to_be_bytes());
+    ip[8] = 64;
+    ip[12..16].copy_from_slice(&orig_ip[16..20]);
+    ip[16..20].copy_from_slice(&orig_ip[12..16]);
+    let ip_csum = fold(sum(ip, 0));
+    ip[10..12].copy_from_slice(&(!ip_csum).to_be_bytes());
+
+    // Probe before the final write, on the frame's own checksum field.
+    let partial = pkt.tuple.proto == IPPROTO_TCP && {
+        ctx.change_tail(len as u32, 0)?;
+        checksum_is_partial(ctx, TCP_CSUM_OFF)?
+    };
+    // Stores of a fixed size, within the new length.
+    if pkt.tuple.proto == IPPROTO_TCP {
+        finish_tcp_checksum(buf, partial);
+        let rst: &[u8; ETH_HLEN + RST_L3_LEN] = buf[..ETH_HLEN + RST_L3_LEN].try_into().map_err(|_| -1i64)?;
+        ctx.store(0, rst, 0)?;
+    } else {
+        ctx.change_tail(len as u32, 0)?;
+        ctx.store(0, &*buf, 0)?;
+    }
+    let ifindex = crate::skb::ifindex(ctx);
+    Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
+}
+
+/// RFC 793 reset for a segment that reached no listener: seq from the
+/// segment's ACK if it had one, else 0 with an ACK of everything it carried.
+fn tcp_rst(ctx: &TcContext, buf: &mut [u8; OUT_LEN], orig_ip: &[u8; IPV4_HLEN]) -> Result<usize, i64> {
+    let th: [u8; TCP_HLEN] = ctx.load(ETH_HLEN + IPV4_HLEN)?;
+    let total = u16::from_be_bytes([orig_ip[2], orig_ip[3]]) as u32;
+    let doff = ((th[12] >> 4) as u32) * 4;
+    let flags = th[13];
+    let mut seg_len = total.saturating_sub(IPV4_HLEN as u32 + doff);
+    if flags & TCP_SYN != 0 {
+        seg_len += 1;
+    }
+    if flags & TCP_FIN != 0 {
+        seg_len += 1;
+    }
+    buf[ETH_HLEN + 9] = IPPROTO_TCP;
+    let tcp = &mut buf[ETH_HLEN + IPV4_HLEN..ETH_HLEN + RST_L3_LEN];
+    tcp[0..2].copy_from_slice(&th[2..4]);
+    tcp[2..4].copy_from_slice(&th[0..2]);
+    if flags & TCP_ACK != 0 {
+        tcp[4..8].copy_from_slice(&th[8..12]);
+        tcp[13] = TCP_RST;
+    } else {
+        let ack = u32::from_be_bytes([th[4], th[5], th[6], th[7]]).wrapping_add(seg_len);
+        tcp[8..12].copy_from_slice(&ack.to_be_bytes());
+        tcp[13] = TCP_RST | TCP_ACK;
+    }
+    tcp[12] = (TCP_HLEN as u8 / 4) << 4;
+    Ok(ETH_HLEN + RST_L3_LEN)
+}
+
+/// The TCP checksum: the pseudo-header seed alone when the packet is
+/// CHECKSUM_PARTIAL (completion adds the header), else the full sum.
+fn finish_tcp_checksum(buf: &mut [u8; OUT_LEN], partial: bool) {
+    let ip = ETH_HLEN;
+    let tcp = ETH_HLEN + IPV4_HLEN;
+    let mut pseudo = sum(&buf[ip + 12..ip + 20], 0);
+    pseudo += IPPROTO_TCP as u32 + TCP_HLEN as u32;
+    let csum = if partial { fold(pseudo) } else { !fold(sum(&buf[tcp..tcp + TCP_HLEN], pseudo)) };
+    buf[tcp + 16..tcp + 18].copy_from_slice(&csum.to_be_bytes());
+}
+
+fn icmp_unreachable(ctx: &TcContext, buf: &mut [u8; OUT_LEN], orig_ip: &[u8; IPV4_HLEN]) -> Result<usize, i64> {
+    let icmp = ETH_HLEN + IPV4_HLEN;
+    let quote = icmp + ICMP_HLEN;
+    buf[quote..quote + IPV4_HLEN].copy_from_slice(orig_ip);
+    buf[quote + IPV4_HLEN..quote + QUOTE_LEN].copy_from_slice(&ctx.load::<[u8; 8]>(ETH_HLEN + IPV4_HLEN)?);
+    buf[ETH_HLEN + 9] = IPPROTO_ICMP;
+    buf[icmp] = ICMP_DEST_UNREACH;
+    buf[icmp + 1] = ICMP_PORT_UNREACH;
+    let csum = !fold(sum(&buf[icmp..icmp + ICMP_HLEN + QUOTE_LEN], 0));
+    buf[icmp + 2..icmp + 4].copy_from_slice(&csum.to_be_bytes());
+    Ok(ETH_HLEN + ICMP_L3_LEN)
+}
+
+/// Whether the skb is CHECKSUM_PARTIAL (the rest of its checksum will be
+/// computed on the way out). TC programs cannot read `ip_summed`, but the
+/// kernel's l4 checksum helper leaves a partial packet's field untouched
+/// unless the pseudo-header changes: change a test value and look. The
+/// field at `off` is overwritten afterwards by the caller.
+#[inline(always)]
+pub fn checksum_is_partial(ctx: &TcContext, off: usize) -> Result<bool, i64> {
+    const PROBE: u16 = 0x1234;
+    ctx.store(off, &PROBE, 0)?;
+    ctx.l4_csum_replace(off, 0, 1, 2)?;
+    Ok(ctx.load::<u16>(off)? == PROBE)
+}
+
+/// One's complement sum of 16-bit words, unfolded.
+#[inline(always)]
+fn sum(bytes: &[u8], init: u32) -> u32 {
+    let mut s = init;
+    let mut i = 0;
+    while i + 1 < bytes.len() {
+        s += u16::from_be_bytes([bytes[i], bytes[i + 1]]) as u32;
+        i += 2;
+    }
+    s
+}
+
+#[inline(always)]
+fn fold(mut s: u32) -> u16 {
+    while s > 0xffff {
+        s = (s & 0xffff) + (s >> 16);
+    }
+    s as u16
+}

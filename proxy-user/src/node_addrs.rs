@@ -1,0 +1,89 @@
+//! The node's own addresses, followed through netlink: NodePorts open on
+//! them, and masqueraded flows leave with one of them.
+
+use std::{collections::BTreeMap, net::IpAddr};
+
+use anyhow::{Context, Result};
+use futures::{StreamExt, TryStreamExt};
+use netlink_packet_route::address::{AddressAttribute, AddressHeaderFlags, AddressMessage};
+use rtnetlink::{Handle, MulticastGroup, new_multicast_connection};
+use tokio::sync::watch;
+
+/// IPv4 addresses by interface, primary address first; loopback left out.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeAddrs {
+    pub by_ifindex: BTreeMap<u32, Vec<IpAddr>>,
+}
+
+impl NodeAddrs {
+    pub fn all(&self) -> Vec<IpAddr> {
+        self.by_ifindex.values().flatten().copied().collect()
+    }
+
+    /// The SNAT source per interface, and under ifindex 0 the default for
+    /// interfaces without an address (pod veths): the first interface's primary.
+    pub fn snat_sources(&self) -> BTreeMap<u32, IpAddr> {
+        let mut out: BTreeMap<u32, IpAddr> =
+            self.by_ifindex.iter().filter_map(|(i, ips)| Some((*i, *ips.first()?))).collect();
+        if let Some(first) = out.values().next().copied() {
+            out.insert(0, first);
+        }
+        out
+    }
+
+    fn from_messages(msgs: &[AddressMessage]) -> Self {
+        let mut by_ifindex: BTreeMap<u32, Vec<(bool, IpAddr)>> = BTreeMap::new();
+        for m in msgs {
+            // IFA_LOCAL is the interface's own address (IFA_ADDRESS is the peer on point-to-point links).
+            let local = m.attributes.iter().find_map(|a| match a {
+                AddressAttribute::Local(ip) => Some(*ip),
+                _ => None,
+            });
+            let Some(ip) = local.or_else(|| {
+                m.attributes.iter().find_map(|a| match a {
+                    AddressAttribute::Address(ip) => Some(*ip),
+                    _ => None,
+                })
+            }) else {
+                continue;
+            };
+            if !ip.is_ipv4() || ip.is_loopback() {
+                continue;
+            }
+            let secondary = m.header.flags.contains(AddressHeaderFlags::Secondary);
+            by_ifindex.entry(m.header.index).or_default().push((secondary, ip));
+        }
+        let by_ifindex = by_ifindex
+            .into_iter()
+            .map(|(i, mut ips)| {
+                ips.sort_by_key(|(secondary, _)| *secondary); // stable: kernel order within each kind
+                (i, ips.into_iter().map(|(_, ip)| ip).collect())
+            })
+            .collect();
+        NodeAddrs { by_ifindex }
+    }
+}
+
+async fn list(handle: &Handle) -> Result<NodeAddrs> {
+    let msgs: Vec<AddressMessage> = handle.address().get().execute().try_collect().await.context("list addresses")?;
+    Ok(NodeAddrs::from_messages(&msgs))
+}
+
+/// Publishes the node's addresses now and after every change.
+pub async fn watch(tx: watch::Sender<NodeAddrs>) -> Result<()> {
+    // Subscribe before listing, so no change can slip between the two.
+    let (conn, handle, mut events) =
+        new_multicast_connection(&[MulticastGroup::Ipv4Ifaddr]).context("netlink socket for address events")?;
+    tokio::spawn(conn);
+    tx.send_replace(list(&handle).await?);
+    while events.next().await.is_some() {
+        // Any change: list again rather than patch, so the result is always whole.
+        let now = list(&handle).await?;
+        tx.send_if_modified(|held| {
+            let changed = *held != now;
+            *held = now.clone();
+            changed
+        });
+    }
+    anyhow::bail!("netlink address events stopped")
+}

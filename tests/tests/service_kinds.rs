@@ -1,0 +1,281 @@
+//! Every kind of frontend with real sockets, on one node: NodePort,
+//! ExternalIP and LoadBalancer reached from a host outside the cluster and
+//! from a pod, with externalTrafficPolicy Cluster (masqueraded: the backend
+//! sees the node) and Local (only the local endpoint, client address kept,
+//! pods short-circuited to every endpoint), loadBalancerSourceRanges, REJECT
+//! of a Service without endpoints (ECONNREFUSED for TCP and UDP), DROP of an
+//! unallocated service-CIDR address, hairpin and ClientIP affinity.
+//! Multi-node behaviour is in the conformance suite.
+
+use std::{
+    collections::BTreeSet,
+    io::ErrorKind,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    time::Duration,
+};
+
+use anyhow::{Context, Result};
+use proxy_tests::{
+    agent::{Agent, dump_json},
+    bpffs::Bpffs,
+    echo::{EchoServer, Reply, tcp_request_from, udp_request_connected},
+    is_root,
+    netns::Netns,
+    topology::Node,
+};
+
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 2);
+const EXTERNAL: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+const EXTERNAL_BLOCKED: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 130);
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 99, 22);
+const LB_IP: Ipv4Addr = Ipv4Addr::new(1, 2, 3, 4);
+const TIMEOUT: Duration = Duration::from_secs(10);
+const SHORT: Duration = Duration::from_millis(700);
+const TRIES: usize = 16;
+
+/// `cluster` (eTP Cluster: NodePort 30080, ExternalIP, LB IP with a source
+/// range, ClientIP affinity on a second port), `local` (eTP Local: NodePort
+/// 30081), `empty` (no endpoints). Endpoint .11 is on this node, .12 is
+/// listed on node-b (it lives in this namespace too: the policy only looks
+/// at nodeName).
+fn manifests() -> String {
+    let slice = |name: &str| {
+        format!(
+            r#"---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: {name}-1, namespace: demo, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: IPv4
+ports: [{{name: tcp, port: 8080}}, {{name: udp, port: 5353, protocol: UDP}}, {{name: sticky, port: 8080}}]
+endpoints:
+- {{addresses: [10.244.0.11], nodeName: node-a}}
+- {{addresses: [10.244.0.12], nodeName: node-b}}
+"#
+        )
+    };
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: cluster, namespace: demo}}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.10
+  externalIPs: [{EXTERNAL_IP}]
+  loadBalancerSourceRanges: [203.0.113.0/25]
+  ports:
+  - {{name: tcp, port: 80, nodePort: 30080}}
+  - {{name: udp, port: 53, protocol: UDP, nodePort: 30053}}
+status: {{loadBalancer: {{ingress: [{{ip: {LB_IP}}}]}}}}
+{}---
+apiVersion: v1
+kind: Service
+metadata: {{name: local, namespace: demo}}
+spec:
+  type: NodePort
+  externalTrafficPolicy: Local
+  clusterIP: 10.96.0.11
+  ports: [{{name: tcp, port: 80, nodePort: 30081}}]
+{}---
+apiVersion: v1
+kind: Service
+metadata: {{name: sticky, namespace: demo}}
+spec:
+  clusterIP: 10.96.0.13
+  sessionAffinity: ClientIP
+  ports: [{{name: sticky, port: 80}}]
+{}---
+apiVersion: v1
+kind: Service
+metadata: {{name: empty, namespace: demo}}
+spec:
+  clusterIP: 10.96.0.12
+  ports: [{{name: tcp, port: 80}}, {{name: udp, port: 53, protocol: UDP}}]
+"#,
+        slice("cluster"),
+        slice("local"),
+        slice("sticky")
+    )
+}
+
+struct Seen {
+    backends: BTreeSet<String>,
+    clients: BTreeSet<String>,
+}
+
+/// `TRIES` TCP requests from `ns` (optionally from a given source); every
+/// reply must come from `to`. Returns who answered and whom they saw.
+fn tcp_many(ns: &Netns, from: Option<Ipv4Addr>, to: SocketAddr) -> Result<Seen> {
+    let mut seen = Seen { backends: BTreeSet::new(), clients: BTreeSet::new() };
+    for i in 0..TRIES {
+        let r: Reply = tcp_request_from(ns, from.map(IpAddr::V4), to, TIMEOUT).with_context(|| format!("request {i} to {to}"))?;
+        anyhow::ensure!(r.from == to, "reply from {} instead of {to}", r.from);
+        seen.backends.insert(r.backend);
+        seen.clients.insert(r.seen_client.rsplit_once(':').map(|(ip, _)| ip.to_string()).unwrap_or(r.seen_client));
+    }
+    Ok(seen)
+}
+
+fn set(items: &[&str]) -> BTreeSet<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn node_port_external_ip_load_balancer_and_verdicts() -> Result<()> {
+    assert!(is_root(), "needs root (network namespaces and BPF)");
+    let mut node = Node::new("kinds")?;
+    let pod = node.add_pod("client", Ipv4Addr::new(10, 244, 0, 2))?;
+    let b1 = node.add_pod("b1", Ipv4Addr::new(10, 244, 0, 11))?;
+    let b2 = node.add_pod("b2", Ipv4Addr::new(10, 244, 0, 12))?;
+    let ext = node.add_external(
+        "ext",
+        NODE_IP,
+        &[EXTERNAL, EXTERNAL_BLOCKED],
+        &["192.168.99.0/24", "1.2.3.4/32", "10.96.0.0/16"],
+    )?;
+    let mut servers = Vec::new();
+    for p in [&b1, &b2] {
+        servers.push(EchoServer::start(&p.ns, &p.name, 8080)?);
+        servers.push(EchoServer::start(&p.ns, &p.name, 5353)?);
+    }
+    let bpffs = Bpffs::new("kinds")?;
+    let root = bpffs.path().join("agent");
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("svc.yaml"), manifests())?;
+    let flags = ["--cluster-cidr", "10.244.0.0/16", "--service-cidr", "10.96.0.0/16"];
+    let mut agent = Agent::start(&node.ns, dir.path(), &root, &flags)?;
+    agent.wait_healthy(&node.ns, TIMEOUT)?;
+    // On failure: the agent's log and the datapath counters.
+    let logs = || {
+        let counters = proxy_user::maps::Maps::open_pinned(&root).and_then(|m| m.read_counters()).map(|c| {
+            proxy_common::COUNTER_NAMES.iter().zip(c).filter(|(_, n)| *n > 0).map(|(k, n)| format!("{k}={n}")).collect::<Vec<_>>().join(" ")
+        });
+        format!("counters: {counters:?}\n{}", agent.logs())
+    };
+    let node_ip = NODE_IP.to_string();
+    let both = set(&["b1", "b2"]);
+
+    // externalTrafficPolicy Cluster: any endpoint, the backend sees the node.
+    for (to, what) in [((NODE_IP, 30080), "NodePort"), ((EXTERNAL_IP, 80), "ExternalIP"), ((LB_IP, 80), "LoadBalancer IP")] {
+        let seen = tcp_many(&ext.ns, Some(EXTERNAL), to.into()).with_context(|| format!("{what}\n{}", logs()))?;
+        assert_eq!(seen.backends, both, "{what}: answered by");
+        assert_eq!(seen.clients, set(&[&node_ip]), "{what}: masqueraded to the node address");
+    }
+    let r = udp_request_connected(&ext.ns, (NODE_IP, 30053).into(), TIMEOUT).with_context(logs)?;
+    assert_eq!((r.from, r.seen_client.starts_with(&format!("{NODE_IP}:"))), ((NODE_IP, 30053).into(), true), "UDP NodePort");
+    // A pod reaching a Cluster-policy NodePort is masqueraded too (kube-proxy).
+    let seen = tcp_many(&pod.ns, None, (NODE_IP, 30080).into()).with_context(logs)?;
+    assert_eq!(seen.clients, set(&[&node_ip]), "pod -> NodePort");
+
+    // loadBalancerSourceRanges: outside the range, dropped (a timeout, not a refusal);
+    // the NodePort of the same service is not filtered.
+    let blocked = tcp_request_from(&ext.ns, Some(EXTERNAL_BLOCKED.into()), (LB_IP, 80).into(), SHORT);
+    assert_eq!(blocked.map_err(|e| e.kind()).err(), Some(ErrorKind::TimedOut), "blocked source to the LB IP");
+    tcp_many(&ext.ns, Some(EXTERNAL_BLOCKED), (NODE_IP, 30080).into()).context("blocked source to the NodePort")?;
+
+    // externalTrafficPolicy Local: only the local endpoint, client address kept;
+    // a pod is short-circuited to every endpoint, not masqueraded.
+    let seen = tcp_many(&ext.ns, Some(EXTERNAL), (NODE_IP, 30081).into()).with_context(logs)?;
+    assert_eq!((seen.backends, seen.clients), (set(&["b1"]), set(&[&EXTERNAL.to_string()])), "eTP=Local from outside");
+    let seen = tcp_many(&pod.ns, None, (NODE_IP, 30081).into()).with_context(logs)?;
+    assert_eq!((seen.backends, seen.clients), (both.clone(), set(&["10.244.0.2"])), "eTP=Local from a pod");
+
+    // A ClusterIP from outside the cluster CIDR is masqueraded; from a pod it is not.
+    let seen = tcp_many(&ext.ns, Some(EXTERNAL), (Ipv4Addr::new(10, 96, 0, 10), 80).into()).with_context(logs)?;
+    assert_eq!(seen.clients, set(&[&node_ip]), "external -> ClusterIP");
+    let seen = tcp_many(&pod.ns, None, (Ipv4Addr::new(10, 96, 0, 10), 80).into()).with_context(logs)?;
+    assert_eq!(seen.clients, set(&["10.244.0.2"]), "pod -> ClusterIP");
+
+    // REJECT: no endpoints, or a port the ClusterIP does not serve; DROP: unallocated.
+    let empty = Ipv4Addr::new(10, 96, 0, 12);
+    for (to, what) in [((empty, 80), "no endpoints"), ((Ipv4Addr::new(10, 96, 0, 10), 81), "unserved port")] {
+        let r = tcp_request_from(&pod.ns, None, to.into(), TIMEOUT);
+        assert_eq!(r.map_err(|e| e.kind()).err(), Some(ErrorKind::ConnectionRefused), "TCP {what}");
+    }
+    let r = udp_request_connected(&pod.ns, (empty, 53).into(), TIMEOUT);
+    assert_eq!(r.map_err(|e| e.kind()).err(), Some(ErrorKind::ConnectionRefused), "UDP no endpoints");
+    let r = tcp_request_from(&pod.ns, None, (Ipv4Addr::new(10, 96, 0, 99), 80).into(), SHORT);
+    assert_eq!(r.map_err(|e| e.kind()).err(), Some(ErrorKind::TimedOut), "unallocated ClusterIP");
+
+    // Hairpin: b1 reaching its own Service until it lands on itself, seen as the node.
+    let hairpin = (0..4 * TRIES)
+        .map(|_| tcp_request_from(&b1.ns, None, (Ipv4Addr::new(10, 96, 0, 10), 80).into(), TIMEOUT))
+        .find_map(|r| r.ok().filter(|r| r.backend == "b1"))
+        .context("b1 never reached itself through its Service")?;
+    assert!(hairpin.seen_client.starts_with(&format!("{NODE_IP}:")), "hairpin seen as {}", hairpin.seen_client);
+
+    // ClientIP affinity: every connection of one client lands on one backend.
+    let seen = tcp_many(&pod.ns, None, (Ipv4Addr::new(10, 96, 0, 13), 80).into()).with_context(logs)?;
+    assert_eq!(seen.backends.len(), 1, "sessionAffinity ClientIP: {:?}", seen.backends);
+
+    // dump shows every kind with its scope.
+    let rows = dump_json("services", &root)?;
+    let kinds: BTreeSet<(String, String)> = rows
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| (r["type"].as_str().unwrap_or_default().to_string(), r["scope"].as_str().unwrap_or_default().to_string()))
+        .collect();
+    for kind in ["ClusterIP", "NodePort", "ExternalIP", "LoadBalancer"] {
+        for scope in ["internal", "external"] {
+            assert!(kinds.contains(&(kind.to_string(), scope.to_string())), "dump services lacks {kind}/{scope}: {rows:#}");
+        }
+    }
+    // trace agrees with what the packets above did, and changes no state.
+    let conntrack_before = flows(&root)?;
+    let counters_before = counters(&root)?;
+    let t = trace(&root, "10.244.0.2", "10.96.0.10:80/TCP")?;
+    assert_eq!((t["verdict"].as_str(), t["type"].as_str(), t["scope"].as_str()), (Some("ACCEPT"), Some("ClusterIP"), Some("internal")), "{t:#}");
+    assert_eq!(t["service"], "demo/cluster:tcp");
+    assert_eq!(strings(&t["candidates"]), set(&["10.244.0.11:8080", "10.244.0.12:8080"]), "{t:#}");
+    assert_eq!(t["masquerade"], false);
+    let t = trace(&root, "203.0.113.2", "192.168.0.2:30080/TCP")?;
+    assert_eq!((t["verdict"].as_str(), t["type"].as_str(), t["scope"].as_str()), (Some("ACCEPT"), Some("NodePort"), Some("external")), "{t:#}");
+    assert_eq!(t["masquerade"], true, "{t:#}");
+    let t = trace(&root, "203.0.113.2", "192.168.0.2:30081/TCP")?;
+    assert_eq!((strings(&t["candidates"]), &t["masquerade"]), (set(&["10.244.0.11:8080"]), &serde_json::json!(false)), "{t:#}");
+    for (from, to, verdict, reason) in [
+        ("10.244.0.2", "10.96.0.12:80/TCP", "REJECT", "no usable endpoint"),
+        ("10.244.0.2", "10.96.0.12:53/UDP", "REJECT", "no usable endpoint"),
+        ("10.244.0.2", "10.96.0.10:81/TCP", "REJECT", "does not serve"),
+        ("10.244.0.2", "10.96.0.99:80/TCP", "DROP", "unallocated"),
+        ("203.0.113.130", "1.2.3.4:80/TCP", "DROP", "loadBalancerSourceRanges"),
+        ("10.244.0.2", "10.97.0.1:80/TCP", "PASS", "not a service"),
+    ] {
+        let t = trace(&root, from, to)?;
+        assert_eq!(t["verdict"], verdict, "{from} -> {to}: {t:#}");
+        assert!(t["reason"].as_str().unwrap_or_default().contains(reason), "{from} -> {to}: {t:#}");
+    }
+    assert_eq!(flows(&root)?, conntrack_before, "trace changed conntrack");
+    assert_eq!(counters(&root)?, counters_before, "trace moved the datapath counters");
+    drop(ext);
+    Ok(())
+}
+
+/// `ebpf-proxy trace -o json`.
+fn trace(root: &std::path::Path, from: &str, to: &str) -> Result<serde_json::Value> {
+    let out = std::process::Command::new(proxy_tests::agent::agent_bin())
+        .args(["trace", "--from", from, "--to", to, "-o", "json", "--bpffs-root"])
+        .arg(root)
+        .output()?;
+    anyhow::ensure!(out.status.success(), "trace {from} -> {to}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// Conntrack entries without their ages, which move on their own.
+fn flows(root: &std::path::Path) -> Result<BTreeSet<String>> {
+    let rows = dump_json("conntrack", root)?;
+    Ok(rows
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| format!("{} {} -> {} => {}", r["direction"], r["source"], r["destination"], r["translated_to"]))
+        .collect())
+}
+
+fn strings(v: &serde_json::Value) -> BTreeSet<String> {
+    v.as_array().into_iter().flatten().filter_map(|s| s.as_str().map(str::to_string)).collect()
+}
+
+fn counters(root: &std::path::Path) -> Result<Vec<u64>> {
+    proxy_user::maps::Maps::open_pinned(root)?.read_counters()
+}
