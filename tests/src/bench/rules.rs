@@ -7,18 +7,24 @@
 //!   matching ClusterIP and port -> KUBE-SVC-* (`! -s <cluster CIDR>` ->
 //!   KUBE-MARK-MASQ, then one `statistic --mode random --probability 1/(n-i)`
 //!   rule per endpoint) -> KUBE-SEP-* (hairpin mark, DNAT); KUBE-POSTROUTING
-//!   masquerades marked packets; the filter table's KUBE-FORWARD.
+//!   masquerades marked packets; the filter table's KUBE-FORWARD. NodePorts:
+//!   the last KUBE-SERVICES rule (destination a local address) ->
+//!   KUBE-NODEPORTS -> KUBE-EXT-* (KUBE-MARK-MASQ, then the KUBE-SVC-* chain).
 //! - nftables: one table `kube-proxy`, the `services` chain does a single
 //!   `ip daddr . meta l4proto . th dport vmap @service-ips` lookup, the service
 //!   chain picks an endpoint with `numgen random mod N vmap`, the endpoint
-//!   chain DNATs; masquerading as above.
+//!   chain DNATs; masquerading as above. NodePorts: `fib daddr type local`
+//!   then the `service-nodeports` verdict map -> external-* (mark for
+//!   masquerade, then the service chain).
 //!
 //! Chain names use a hash of the service port name as kube-proxy does, with
 //! a different (shorter) hash: the names only need to be unique.
 
 use std::fmt::Write as _;
 
-use super::services::{Service, ServiceSet, TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET};
+use super::services::{
+    Service, ServiceSet, TCP_NODE_PORT, TCP_PORT, TCP_TARGET, UDP_NODE_PORT, UDP_PORT, UDP_TARGET,
+};
 
 /// Pod CIDR given to the rule sets: pod-to-service traffic is not masqueraded.
 pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
@@ -30,15 +36,19 @@ struct Port<'a> {
     proto: &'static str,
     port: u16,
     target: u16,
+    /// The NodePort, for a Service of that type.
+    node_port: Option<u16>,
 }
 
 fn ports(svc: &Service) -> Vec<Port<'_>> {
     let mut ports = Vec::new();
     if svc.tcp {
-        ports.push(Port { svc, port_name: "tcp", proto: "tcp", port: TCP_PORT, target: TCP_TARGET });
+        let node_port = svc.node_port.then_some(TCP_NODE_PORT);
+        ports.push(Port { svc, port_name: "tcp", proto: "tcp", port: TCP_PORT, target: TCP_TARGET, node_port });
     }
     if svc.udp {
-        ports.push(Port { svc, port_name: "udp", proto: "udp", port: UDP_PORT, target: UDP_TARGET });
+        let node_port = svc.node_port.then_some(UDP_NODE_PORT);
+        ports.push(Port { svc, port_name: "udp", proto: "udp", port: UDP_PORT, target: UDP_TARGET, node_port });
     }
     ports
 }
@@ -99,6 +109,23 @@ pub fn iptables_restore(set: &ServiceSet) -> String {
                 ip = svc.cluster_ip,
                 port = p.port,
             );
+            if let Some(np) = p.node_port {
+                // External traffic to a NodePort (externalTrafficPolicy Cluster) is masqueraded.
+                let ext = format!("KUBE-EXT-{}", p.hash(""));
+                let _ = writeln!(chains, ":{ext} - [0:0]");
+                let _ = writeln!(
+                    nat,
+                    "-A KUBE-NODEPORTS {} -m {proto} -p {proto} --dport {np} -j {ext}",
+                    comment(&name),
+                    proto = p.proto
+                );
+                let _ = writeln!(
+                    per_service,
+                    "-A {ext} {} -j KUBE-MARK-MASQ",
+                    comment(&format!("masquerade traffic for {name} external destinations"))
+                );
+                let _ = writeln!(per_service, "-A {ext} -j {svc_chain}");
+            }
             let n = svc.endpoints.len();
             for (i, ep) in svc.endpoints.iter().enumerate() {
                 let sep = format!("KUBE-SEP-{}", p.hash(&ep.to_string()));
@@ -247,6 +274,17 @@ pub fn nftables_script(set: &ServiceSet) -> String {
                 vmap = vmap.join(", "),
             );
             elements.push(format!("{} . {} . {} : goto {svc_chain}", svc.cluster_ip, p.proto, p.port));
+            if let Some(np) = p.node_port {
+                let ext = format!("external-{}-{}/{}/{}/p{}", &p.hash("")[..8], svc.namespace, svc.name, p.proto, p.port);
+                let _ = writeln!(
+                    s,
+                    "add chain ip kube-proxy {ext}\n\
+                     add rule ip kube-proxy {ext} jump mark-for-masquerade\n\
+                     add rule ip kube-proxy {ext} goto {svc_chain}\n\
+                     add element ip kube-proxy service-nodeports {{ {} . {np} : goto {ext} }}",
+                    p.proto
+                );
+            }
         }
     }
     for chunk in elements.chunks(1000) {
@@ -312,6 +350,11 @@ mod tests {
             );
         }
         assert_eq!(text.matches("COMMIT").count(), 2);
+        // The probe is a NodePort: KUBE-NODEPORTS -> KUBE-EXT-* -> the same KUBE-SVC-* chain.
+        let np = text.lines().find(|l| l.starts_with("-A KUBE-NODEPORTS") && l.contains("--dport 30080")).expect("TCP NodePort rule");
+        let ext = np.split(" -j ").nth(1).unwrap();
+        assert!(text.contains(&format!("-A {ext} -j {svc_chain}\n")), "{ext} does not lead to {svc_chain}");
+        assert!(text.lines().any(|l| l.starts_with(&format!("-A {ext} ")) && l.ends_with("-j KUBE-MARK-MASQ")));
     }
 
     #[test]
@@ -333,7 +376,9 @@ mod tests {
         }
         // Every chain a verdict jumps to is added.
         let gotos: Vec<&str> = text.split("goto ").skip(1).map(|g| g.split([' ', ',']).next().unwrap()).collect();
-        assert_eq!(gotos.len(), 4 + 4 * 10, "a goto per service port and per endpoint");
+        // A goto per service port, per endpoint, and two per NodePort (map element, external chain).
+        assert_eq!(gotos.len(), 4 + 4 * 10 + 2 * 2);
+        assert!(text.contains("add element ip kube-proxy service-nodeports { tcp . 30080 : goto external-"));
         for chain in gotos {
             assert!(text.contains(&format!("add chain ip kube-proxy {chain}\n")), "chain {chain} never added");
         }

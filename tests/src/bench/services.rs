@@ -1,7 +1,7 @@
 //! A synthetic cluster: `count` Services of `ENDPOINTS` endpoints each, with
 //! one port: TCP 80 -> 8080 for even indexes, UDP 53 -> 5353 for odd ones.
-//! One of them, the probe, has both ports and endpoints that really exist
-//! (addresses on a backend pod); the others point at addresses nothing
+//! One of them, the probe, has both ports, is of type NodePort and has
+//! endpoints that really exist (addresses on a backend pod); the others point at addresses nothing
 //! answers on, as in a large cluster where the traffic under test uses one
 //! Service among many. The same set becomes manifests for ebpf-proxy, map
 //! contents for the micro-benchmark and rule sets for the kube-proxy peers.
@@ -16,6 +16,9 @@ pub const TCP_PORT: u16 = 80;
 pub const TCP_TARGET: u16 = 8080;
 pub const UDP_PORT: u16 = 53;
 pub const UDP_TARGET: u16 = 5353;
+/// The probe is a NodePort Service: TCP 30080, UDP 30053.
+pub const TCP_NODE_PORT: u16 = 30080;
+pub const UDP_NODE_PORT: u16 = 30053;
 
 /// ClusterIPs come from 10.96.0.0/12, filler endpoints from 10.128.0.0/10;
 /// both hold well over 100 000 Services of 10 endpoints.
@@ -32,6 +35,8 @@ pub struct Service {
     pub endpoints: Vec<Ipv4Addr>,
     pub tcp: bool,
     pub udp: bool,
+    /// Type NodePort (TCP_NODE_PORT, UDP_NODE_PORT) rather than ClusterIP.
+    pub node_port: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -60,6 +65,7 @@ impl ServiceSet {
                     endpoints,
                     tcp: i == probe || i % 2 == 0,
                     udp: i == probe || i % 2 == 1,
+                    node_port: i == probe,
                 }
             })
             .collect();
@@ -98,14 +104,18 @@ pub fn probe_endpoints() -> Vec<Ipv4Addr> {
 /// A Service and its EndpointSlice, in the shape the API server returns.
 pub fn manifest(svc: &Service) -> String {
     let Service { namespace, name, cluster_ip, .. } = svc;
+    let kind = if svc.node_port { "NodePort" } else { "ClusterIP" };
     let mut ports = String::new();
     let mut slice_ports = String::new();
+    let node_port = |p: u16| if svc.node_port { format!(", nodePort: {p}") } else { String::new() };
     if svc.tcp {
-        let _ = writeln!(ports, "  - {{name: tcp, port: {TCP_PORT}, targetPort: {TCP_TARGET}, protocol: TCP}}");
+        let np = node_port(TCP_NODE_PORT);
+        let _ = writeln!(ports, "  - {{name: tcp, port: {TCP_PORT}, targetPort: {TCP_TARGET}, protocol: TCP{np}}}");
         let _ = writeln!(slice_ports, "- {{name: tcp, port: {TCP_TARGET}, protocol: TCP}}");
     }
     if svc.udp {
-        let _ = writeln!(ports, "  - {{name: udp, port: {UDP_PORT}, targetPort: {UDP_TARGET}, protocol: UDP}}");
+        let np = node_port(UDP_NODE_PORT);
+        let _ = writeln!(ports, "  - {{name: udp, port: {UDP_PORT}, targetPort: {UDP_TARGET}, protocol: UDP{np}}}");
         let _ = writeln!(slice_ports, "- {{name: udp, port: {UDP_TARGET}, protocol: UDP}}");
     }
     let mut endpoints = String::new();
@@ -117,7 +127,7 @@ pub fn manifest(svc: &Service) -> String {
 kind: Service
 metadata: {{name: {name}, namespace: {namespace}}}
 spec:
-  type: ClusterIP
+  type: {kind}
   clusterIP: {cluster_ip}
   ports:
 {ports}---
@@ -157,10 +167,12 @@ mod tests {
     fn manifest_lists_the_ports_and_endpoints() {
         let set = ServiceSet::new(3);
         let text = manifest(set.probe());
-        assert!(text.contains("{name: tcp, port: 80, targetPort: 8080, protocol: TCP}"));
-        assert!(text.contains("{name: udp, port: 53, targetPort: 5353, protocol: UDP}"));
+        assert!(text.contains("type: NodePort"));
+        assert!(text.contains("{name: tcp, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30080}"));
+        assert!(text.contains("{name: udp, port: 53, targetPort: 5353, protocol: UDP, nodePort: 30053}"));
         assert_eq!(text.matches("- addresses: [").count(), ENDPOINTS);
         let filler = manifest(&set.services[0]);
         assert!(filler.contains("protocol: TCP") && !filler.contains("protocol: UDP"));
+        assert!(filler.contains("type: ClusterIP") && !filler.contains("nodePort"));
     }
 }

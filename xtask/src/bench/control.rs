@@ -150,6 +150,7 @@ fn changes_to_map(agent: &Agent, dir: &Path, root: &Path, scale: usize, count: u
             endpoints: services::probe_endpoints(),
             tcp: true,
             udp: false,
+            node_port: false,
         };
         let key = FrontendKey {
             addr: Addr::from_v4_octets(ip.octets()),

@@ -33,7 +33,7 @@ use proxy_tests::{
     bpffs::Bpffs,
 };
 use proxy_user::{
-    maps::{self, Maps, TC_PROGRAM},
+    maps::{self, Maps, TC_INGRESS},
     reconciler::MapWriter,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -77,8 +77,10 @@ pub fn run(samples: usize, repeat: u32) -> Result<Results> {
 
 fn measure(bpffs: &Bpffs, samples: usize, repeat: u32) -> Result<Results> {
     let (mut ebpf, mut maps) = maps::load(bpffs.path())?;
-    let prog: &mut SchedClassifier = ebpf.program_mut(TC_PROGRAM).context("tc program")?.try_into()?;
+    let prog: &mut SchedClassifier = ebpf.program_mut(TC_INGRESS).context("tc program")?.try_into()?;
     prog.load().context("verifier rejected tc_ingress")?;
+    // As the agent does without --cluster-cidr: every source is in-cluster.
+    maps.write_node_config(&Default::default(), &[], &[])?;
 
     let largest = *SCALES.last().unwrap();
     let set = ServiceSet::new(largest);
@@ -224,7 +226,7 @@ fn steady(ebpf: &Ebpf, maps: &Maps, proto: u8, client: u32, repeat: u32) -> Resu
     let port = if proto == IPPROTO_TCP { TCP_PORT } else { UDP_PORT };
     let f = frame(proto, client_of(client), (IDENTITY_VIP, port));
     let before = maps.read_counters()?;
-    let prog: &SchedClassifier = ebpf.program(TC_PROGRAM).unwrap().try_into()?;
+    let prog: &SchedClassifier = ebpf.program(TC_INGRESS).unwrap().try_into()?;
     let mut out = vec![0u8; f.len() + 64];
     let res = prog.test_run(TestRunOptions { data_in: Some(&f), data_out: Some(&mut out), repeat, ..TestRunOptions::new() })?;
     ensure!(res.return_value == TC_ACT_OK, "identity Service verdict {:#x}", res.return_value);
@@ -252,7 +254,7 @@ fn floor(ebpf: &Ebpf, samples: usize) -> Result<Vec<f64>> {
 }
 
 fn test_run(ebpf: &Ebpf, frame: &[u8]) -> Result<(u32, Duration)> {
-    let prog: &SchedClassifier = ebpf.program(TC_PROGRAM).unwrap().try_into()?;
+    let prog: &SchedClassifier = ebpf.program(TC_INGRESS).unwrap().try_into()?;
     let mut out = vec![0u8; frame.len() + 64];
     let res = prog.test_run(TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ..TestRunOptions::new() })?;
     Ok((res.return_value, res.duration))

@@ -151,46 +151,48 @@ fn targets(md: &mut String, m: &Measured) {
     }
     if let Some(r) = &m.traffic {
         let n = *traffic::SCALES.last().unwrap();
-        let ratio = |peer: Peer, mode: Mode| -> Option<f64> {
-            Some(r.rate(n, Kind::ClusterIp, Peer::EbpfProxy, mode)? / r.rate(n, Kind::ClusterIp, peer, mode)?)
+        let ratio = |kind: Kind, peer: Peer, mode: Mode| -> Option<f64> {
+            Some(r.rate(n, kind, Peer::EbpfProxy, mode)? / r.rate(n, kind, peer, mode)?)
         };
         let fmt = |v: Option<f64>| v.map(|v| format!("{v:.2}x")).unwrap_or("-".into());
-        for (peer, want) in [(Peer::IptablesNft, 2.0), (Peer::IptablesLegacy, 2.0), (Peer::Nftables, 1.2)] {
-            let got = ratio(peer, Mode::TcpConnect);
-            t.push(Target {
-                what: match peer {
-                    Peer::Nftables => "10 000 services, TCP connect+request: at least 1.2x nftables",
-                    Peer::IptablesNft => "10 000 services, TCP connect+request: at least 2x iptables (nf_tables backend)",
-                    _ => "10 000 services, TCP connect+request: at least 2x iptables (legacy backend)",
-                },
-                result: format!("{} (ClusterIP)", fmt(got)),
-                met: got.map(|g| g >= want),
-                why: "A connect+request exchanges about eight packets through the proxy, and the client, proxy and \
-                      server share two cores: most of each transaction is socket and TCP work that every peer pays \
-                      alike, so the proxy's share bounds any ratio. nftables already finds the service with one \
-                      verdict-map lookup; its remaining cost is conntrack and NAT setup per connection. Closing it \
-                      on real hardware: put client and server on other machines so the proxy is the bottleneck; in \
-                      ebpf-proxy, skip the netfilter conntrack altogether for translated flows (it still runs here \
-                      when the node has it loaded)."
-                    .into(),
-            });
-        }
-        for mode in [Mode::TcpKept, Mode::UdpRr, Mode::UdpStream] {
-            let got = ratio(Peer::NoProxy, mode);
-            t.push(Target {
-                what: match mode {
-                    Mode::TcpKept => "10 000 services, TCP kept connection: within 15% of no proxy",
-                    Mode::UdpRr => "10 000 services, UDP request/reply: within 15% of no proxy",
-                    _ => "10 000 services, UDP packets/s: within 15% of no proxy",
-                },
-                result: format!("{} of no proxy", fmt(got)),
-                met: got.map(|g| g >= 0.85),
-                why: "Every packet runs the TC program on the ingress of the node-side veth (conntrack lookup, \
-                      touch, rewrite, checksum helpers) in both directions; with all parties on two cores that \
-                      per-packet work is a visible share. Closing it: cheaper established path (see the \
-                      micro-benchmark), and XDP for traffic entering from a NIC."
-                    .into(),
-            });
+        for kind in Kind::ALL {
+            for (peer, want) in [(Peer::IptablesNft, 2.0), (Peer::IptablesLegacy, 2.0), (Peer::Nftables, 1.2)] {
+                let got = ratio(kind, peer, Mode::TcpConnect);
+                t.push(Target {
+                    what: match peer {
+                        Peer::Nftables => "10 000 services, TCP connect+request: at least 1.2x nftables",
+                        Peer::IptablesNft => "10 000 services, TCP connect+request: at least 2x iptables (nf_tables backend)",
+                        _ => "10 000 services, TCP connect+request: at least 2x iptables (legacy backend)",
+                    },
+                    result: format!("{}: {}", kind.label(), fmt(got)),
+                    met: got.map(|g| g >= want),
+                    why: "A connect+request exchanges about eight packets through the proxy, and the client, proxy and \
+                          server share two cores: most of each transaction is socket and TCP work that every peer pays \
+                          alike, so the proxy's share bounds any ratio. nftables already finds the service with one \
+                          verdict-map lookup; its remaining cost is conntrack and NAT setup per connection. Closing it \
+                          on real hardware: put client and server on other machines so the proxy is the bottleneck; in \
+                          ebpf-proxy, skip the netfilter conntrack altogether for translated flows (it still runs here \
+                          when the node has it loaded)."
+                        .into(),
+                });
+            }
+            for mode in [Mode::TcpKept, Mode::UdpRr, Mode::UdpStream] {
+                let got = ratio(kind, Peer::NoProxy, mode);
+                t.push(Target {
+                    what: match mode {
+                        Mode::TcpKept => "10 000 services, TCP kept connection: within 15% of no proxy",
+                        Mode::UdpRr => "10 000 services, UDP request/reply: within 15% of no proxy",
+                        _ => "10 000 services, UDP packets/s: within 15% of no proxy",
+                    },
+                    result: format!("{}: {} of no proxy", kind.label(), fmt(got)),
+                    met: got.map(|g| g >= 0.85),
+                    why: "Every packet runs the TC program on the ingress of the node-side veth (conntrack lookup, \
+                          touch, rewrite, checksum helpers) in both directions; with all parties on two cores that \
+                          per-packet work is a visible share. Closing it: cheaper established path (see the \
+                          micro-benchmark), and XDP for traffic entering from a NIC."
+                        .into(),
+                });
+            }
         }
     }
     if let Some(r) = &m.control {
@@ -379,11 +381,15 @@ fn traffic_section(md: &mut String, r: &traffic::Results, figures: &Path) -> Res
     let _ = writeln!(md, "Command: `./x bench --only traffic`\n");
     let _ = writeln!(
         md,
-        "A node namespace routes between a client pod and a backend pod that holds the probe Service's 10 \
-         endpoint addresses (a TCP and UDP server on each); every peer has its own such topology, all set \
-         up before any load runs. The cluster has N Services of 10 endpoints (one \
-         port each, TCP or UDP alternately; the probe, in the middle of the list, has both). Peers, each on a \
-         fresh topology, measured back to back: ebpf-proxy (release agent on the same Services as manifests); \
+        "A node namespace routes between a client pod, an external host on the node's LAN, and a backend \
+         pod that holds the probe Service's 10 endpoint addresses (a TCP and UDP server on each); every \
+         peer has its own such topology, all set up before any load runs. *ClusterIP*: the pod dials the \
+         ClusterIP (pod sources are not masqueraded: `--cluster-cidr` for the agent, the same CIDR in the \
+         rules). *NodePort*: the external host dials the node's address and NodePort, and the proxy \
+         masquerades (externalTrafficPolicy Cluster), so replies return through the node; kube-proxy's \
+         iptables rules reach the NodePort only after the whole KUBE-SERVICES chain (its last rule), as \
+         in a real cluster. No proxy: the client dials the endpoints itself. The cluster has N Services of 10 endpoints (one \
+         port each, TCP or UDP alternately; the probe, in the middle of the list, has both). The peers: ebpf-proxy (release agent on the same Services as manifests); \
          kube-proxy's **nftables** rules and **iptables** rules, generated from the same Services in its \
          shape (KUBE-SERVICES -> KUBE-SVC-* with `statistic` -> KUBE-SEP-* DNAT, KUBE-MARK-MASQ, \
          KUBE-POSTROUTING, KUBE-FORWARD; the nftables table with the `service-ips` verdict map and \
@@ -454,19 +460,19 @@ fn traffic_section(md: &mut String, r: &traffic::Results, figures: &Path) -> Res
         }
     }
     let _ = writeln!(md, "Spread of the rounds (min - max), per second:\n");
-    let _ = write!(md, "| services | load |");
+    let _ = write!(md, "| services | kind | load |");
     for p in Peer::ALL {
         let _ = write!(md, " {} |", short(p));
     }
-    let _ = writeln!(md, "\n|---:|---|{}", "---|".repeat(Peer::ALL.len()));
-    for &n in &traffic::SCALES {
+    let _ = writeln!(md, "\n|---:|---|---|{}", "---|".repeat(Peer::ALL.len()));
+    for (&n, kind) in traffic::SCALES.iter().flat_map(|n| Kind::ALL.map(|k| (n, k))) {
         for mode in Mode::ALL {
-            let _ = write!(md, "| {n} | {} |", mode.short());
+            let _ = write!(md, "| {n} | {} | {} |", kind.label(), mode.short());
             for p in Peer::ALL {
                 let cell = r
                     .rows
                     .iter()
-                    .find(|x| x.services == n && x.peer == p && x.mode == mode)
+                    .find(|x| x.services == n && x.kind == kind && x.peer == p && x.mode == mode)
                     .map(|x| {
                         let lo = x.rounds.iter().cloned().fold(f64::INFINITY, f64::min);
                         let hi = x.rounds.iter().cloned().fold(0.0, f64::max);
@@ -573,8 +579,10 @@ fn not_measured(md: &mut String) {
     let _ = writeln!(
         md,
         "## Not measured yet\n\n\
-         - NodePort traffic, and SCTP in the micro-benchmark: the datapath does not translate them in this \
-           build; each is one more `Kind` / protocol row in xtask/src/bench when it does.\n\
+         - SCTP in the micro-benchmark: the datapath does not translate SCTP in this build (and this \
+           kernel has no SCTP module for real traffic); it is one more protocol row in \
+           xtask/src/bench/micro.rs when it does. ExternalIP and LoadBalancer frontends take the NodePort \
+           path (external scope, masquerade) and are not measured separately.\n\
          - Change to map through a (mocked) Kubernetes API: the API source is being built; the manifests \
            source is measured instead.\n"
     );

@@ -1,5 +1,7 @@
-//! Real traffic through a node namespace: a client pod, a backend pod with
-//! the probe Service's 10 endpoint addresses, and between them, in turn,
+//! Real traffic through a node namespace: a client pod (to the ClusterIP), an
+//! external host on the node's LAN (to the NodePort on the node's address), a
+//! backend pod with the probe Service's 10 endpoint addresses, and between
+//! them, in turn,
 //! ebpf-proxy, kube-proxy's nftables rules, kube-proxy's iptables rules (the
 //! nf_tables backend Debian's `iptables` uses, and the legacy one), and no
 //! proxy at all (the client dials the endpoints itself: the ceiling). Each
@@ -22,14 +24,18 @@ use proxy_tests::{
     bench::{
         load::{self, Load, Mode, Server},
         rules,
-        services::{ServiceSet, TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET},
+        services::{ServiceSet, TCP_NODE_PORT, TCP_PORT, TCP_TARGET, UDP_NODE_PORT, UDP_PORT, UDP_TARGET},
     },
     bpffs::Bpffs,
-    topology::{Node, Pod},
+    topology::{External, Node, Pod},
 };
 
 pub const SCALES: [usize; 2] = [1, 10_000];
 const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 2);
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 2);
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+/// Given to the agent as to the rule sets: pod sources are not masqueraded.
+const AGENT_FLAGS: [&str; 2] = ["--cluster-cidr", rules::CLUSTER_CIDR];
 const CLIENT_THREADS: usize = 4;
 const SERVER_THREADS: usize = 4;
 
@@ -56,17 +62,21 @@ impl Peer {
     }
 }
 
-/// Service kinds the traffic goes through. NodePort joins when the datapath has it.
+/// How the traffic reaches the Service: a pod to its ClusterIP, or a host
+/// outside the cluster to its NodePort on the node's address (masqueraded,
+/// externalTrafficPolicy Cluster).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kind {
     ClusterIp,
+    NodePort,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 1] = [Kind::ClusterIp];
+    pub const ALL: [Kind; 2] = [Kind::ClusterIp, Kind::NodePort];
     pub fn label(self) -> &'static str {
         match self {
             Kind::ClusterIp => "ClusterIP",
+            Kind::NodePort => "NodePort",
         }
     }
 }
@@ -114,37 +124,48 @@ pub fn run(work: &Path, warmup: Duration, window: Duration, rounds: usize) -> Re
         std::fs::write(&ipt, rules::iptables_restore(&set))?;
         let nft = dir.join("kube-proxy.nft");
         std::fs::write(&nft, rules::nftables_script(&set))?;
+        // Every peer in place at once, each in its own namespaces.
+        let mut benches = Vec::new();
+        for peer in Peer::ALL {
+            eprintln!("    traffic: {scale} services: programming {}", peer.label());
+            let bench = Bench::new()?;
+            let t = Instant::now();
+            let proxy = bench.program(peer, &manifests, &ipt, &nft)?;
+            out.setup.push((scale, peer, t.elapsed()));
+            // The agent goes before its namespaces when these drop.
+            benches.push((peer, proxy, bench));
+        }
+        let probe = set.probe();
         for kind in Kind::ALL {
-            // Every peer in place at once, each in its own namespaces.
-            let mut benches = Vec::new();
-            for peer in Peer::ALL {
-                eprintln!("    traffic: {scale} services, {}: programming {}", kind.label(), peer.label());
-                let bench = Bench::new()?;
-                let t = Instant::now();
-                let proxy = bench.program(peer, &manifests, &ipt, &nft)?;
-                out.setup.push((scale, peer, t.elapsed()));
-                benches.push((peer, bench, proxy));
-            }
-            let probe = set.probe();
             for mode in Mode::ALL {
-                let (port, target) = if mode.is_tcp() { (TCP_PORT, TCP_TARGET) } else { (UDP_PORT, UDP_TARGET) };
+                let tcp = mode.is_tcp();
+                let target = if tcp { TCP_TARGET } else { UDP_TARGET };
+                let service = match kind {
+                    Kind::ClusterIp => SocketAddr::from((probe.cluster_ip, if tcp { TCP_PORT } else { UDP_PORT })),
+                    Kind::NodePort => SocketAddr::from((NODE_IP, if tcp { TCP_NODE_PORT } else { UDP_NODE_PORT })),
+                };
                 let mut rates = vec![Vec::new(); benches.len()];
                 let mut errors = vec![0u64; benches.len()];
                 for round in 0..rounds {
                     // A different peer goes first each round.
                     for k in 0..benches.len() {
                         let i = (k + round) % benches.len();
-                        let (peer, bench, _) = &benches[i];
+                        let (peer, _, bench) = &benches[i];
                         let targets: Vec<SocketAddr> = match peer {
                             Peer::NoProxy => probe.endpoints.iter().map(|ip| SocketAddr::from((*ip, target))).collect(),
-                            _ => vec![SocketAddr::from((probe.cluster_ip, port))],
+                            _ => vec![service],
+                        };
+                        let client = match kind {
+                            Kind::ClusterIp => &bench.client.ns,
+                            Kind::NodePort => &bench.external.ns,
                         };
                         let l = Load { mode, targets, threads: CLIENT_THREADS, warmup, window };
-                        let o = load::run(&bench.client.ns, &l, &|| bench.server.received())?;
+                        let o = load::run(client, &l, &|| bench.server.received())?;
                         ensure!(
                             o.ops > 0,
-                            "{} {} at {scale} services: no traffic got through",
+                            "{} {} {} at {scale} services: no traffic got through",
                             peer.label(),
+                            kind.label(),
                             mode.label()
                         );
                         rates[i].push(o.rate());
@@ -154,7 +175,8 @@ pub fn run(work: &Path, warmup: Duration, window: Duration, rounds: usize) -> Re
                 for (i, (peer, _, _)) in benches.iter().enumerate() {
                     let rate = super::micro::median(&rates[i]);
                     eprintln!(
-                        "      {:<32} {:<30} {:>10.0}  rounds {:?}",
+                        "      {:<9} {:<32} {:<30} {:>10.0}  rounds {:?}",
+                        kind.label(),
                         mode.label(),
                         peer.label(),
                         rate,
@@ -181,6 +203,7 @@ struct Bench {
     // Drop order: the server and pods go before the node.
     server: Server,
     client: Pod,
+    external: External,
     _backend: Pod,
     node: Node,
 }
@@ -196,8 +219,10 @@ impl Bench {
             backend.ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
             node.ns.ip(&["route", "add", &format!("{ip}/32"), "dev", &backend.host_if])?;
         }
+        // Pods are reachable from outside only for the no-proxy ceiling.
+        let external = node.add_external("external", NODE_IP, &[EXTERNAL_IP], &["10.244.0.0/16"])?;
         let server = Server::start(&backend.ns, TCP_TARGET, SERVER_THREADS, &endpoints, UDP_TARGET)?;
-        Ok(Bench { server, client, _backend: backend, node })
+        Ok(Bench { server, client, external, _backend: backend, node })
     }
 
     /// Puts `peer` in place; for ebpf-proxy, the agent and its bpffs, kept
@@ -207,7 +232,7 @@ impl Bench {
         match peer {
             Peer::EbpfProxy => {
                 let bpffs = Bpffs::new("bench-traffic")?;
-                let mut agent = Agent::start(ns, manifests, &bpffs.path().join("ebpf-proxy"), &[])?;
+                let mut agent = Agent::start(ns, manifests, &bpffs.path().join("ebpf-proxy"), &AGENT_FLAGS)?;
                 agent.wait_healthy(ns, Duration::from_secs(300))?;
                 Ok(Some((agent, bpffs)))
             }
