@@ -375,7 +375,7 @@ mod tests {
             assert!(text.contains(&format!("meta l4proto udp dnat to {ep}:5353")), "no UDP DNAT to {ep}");
         }
         // Every chain a verdict jumps to is added.
-        let gotos: Vec<&str> = text.split("goto ").skip(1).map(|g| g.split([' ', ',']).next().unwrap()).collect();
+        let gotos: Vec<&str> = text.split("goto ").skip(1).map(|g| g.split(|c: char| c.is_whitespace() || c == ',').next().unwrap()).collect();
         // A goto per service port, per endpoint, and two per NodePort (map element, external chain).
         assert_eq!(gotos.len(), 4 + 4 * 10 + 2 * 2);
         assert!(text.contains("add element ip kube-proxy service-nodeports { tcp . 30080 : goto external-"));

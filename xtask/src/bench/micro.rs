@@ -13,11 +13,13 @@
 //! program leaves at once (ARP) gives the floor of the method. The counters
 //! prove each sample took the path it is filed under.
 //!
-//! Steady state. `repeat` does work for one flow: a Service whose endpoint
-//! is its own address and port. Its NAT rewrites the frame to the same
-//! bytes (the helpers still run), so after the first run every repeat is an
-//! established flow with hot caches: the kernel's average over the repeats
-//! is the established cost in a tight loop, the figure usually quoted.
+//! Steady state. `repeat` does work for a pair of Services that point at
+//! each other: A:80 has the one endpoint B:8080 and B:8080 has A:80. The
+//! first run translates a frame for A into one for B, the second one for B
+//! back into one for A, and from then on every repeat is an established flow
+//! with a full rewrite (address and port, with their checksums) and hot
+//! caches: the kernel's average over the repeats is the established cost in a
+//! tight loop, the figure usually quoted.
 
 use std::time::Duration;
 
@@ -86,7 +88,7 @@ fn measure(bpffs: &Bpffs, samples: usize, repeat: u32) -> Result<Results> {
     let set = ServiceSet::new(largest);
     let mut out = Results { samples, repeat, ..Results::default() };
     let mut installed = Installed::default();
-    installed.add_identity(&mut maps)?;
+    installed.add_ping_pong(&mut maps)?;
     let mut rng = StdRng::seed_from_u64(7);
     let mut next_client: u32 = 0;
     for &scale in &SCALES {
@@ -147,18 +149,21 @@ struct Installed {
 }
 
 impl Installed {
-    /// The identity Service, TCP 80 and UDP 53, outside the measured set.
-    fn add_identity(&mut self, maps: &mut Maps) -> Result<()> {
-        for (proto, port) in [(IPPROTO_TCP, TCP_PORT), (IPPROTO_UDP, UDP_PORT)] {
-            self.next_service_id += 1;
-            self.next_backend_id += 1;
-            let addr = Addr::from_v4_octets(IDENTITY_VIP);
-            let flags = BACKEND_READY | BACKEND_SERVING;
-            maps.put_backend(self.next_backend_id, &Backend { addr, port: port.to_be(), proto, flags })?;
-            maps.put_slot(&SlotKey { service_id: self.next_service_id, slot: 0 }, self.next_backend_id)?;
-            let key = FrontendKey { addr, port: port.to_be(), proto, scope: SCOPE_INTERNAL };
-            let entry = ServiceEntry { service_id: self.next_service_id, backend_count: 1, kind: KIND_CLUSTER_IP, ..Default::default() };
-            maps.put_frontend(&key, &entry)?;
+    /// The ping-pong pair, TCP and UDP, outside the measured set.
+    fn add_ping_pong(&mut self, maps: &mut Maps) -> Result<()> {
+        let flags = BACKEND_READY | BACKEND_SERVING;
+        for (proto, port, target) in [(IPPROTO_TCP, TCP_PORT, TCP_TARGET), (IPPROTO_UDP, UDP_PORT, UDP_TARGET)] {
+            for ((from, from_port), (to, to_port)) in [((PING_VIP, port), (PONG_VIP, target)), ((PONG_VIP, target), (PING_VIP, port))] {
+                self.next_service_id += 1;
+                self.next_backend_id += 1;
+                let backend = Backend { addr: Addr::from_v4_octets(to), port: to_port.to_be(), proto, flags };
+                maps.put_backend(self.next_backend_id, &backend)?;
+                maps.put_slot(&SlotKey { service_id: self.next_service_id, slot: 0 }, self.next_backend_id)?;
+                let key = FrontendKey { addr: Addr::from_v4_octets(from), port: from_port.to_be(), proto, scope: SCOPE_INTERNAL };
+                let entry =
+                    ServiceEntry { service_id: self.next_service_id, backend_count: 1, kind: KIND_CLUSTER_IP, ..Default::default() };
+                maps.put_frontend(&key, &entry)?;
+            }
         }
         Ok(())
     }
@@ -213,31 +218,33 @@ fn proto_name(proto: u8) -> &'static str {
     if proto == IPPROTO_TCP { "TCP" } else { "UDP" }
 }
 
-/// The identity Service: its one endpoint is its own address and port.
-const IDENTITY_VIP: [u8; 4] = [10, 95, 255, 1];
+/// The ping-pong pair: A's endpoint is B and B's is A (ports 80 <-> 8080,
+/// 53 <-> 5353).
+const PING_VIP: [u8; 4] = [10, 95, 255, 1];
+const PONG_VIP: [u8; 4] = [10, 95, 255, 2];
 
 fn client_of(n: u32) -> ([u8; 4], u16) {
     ((u32::from_be_bytes([10, 200, 0, 0]) + n / 50_000).to_be_bytes(), 10_000 + (n % 50_000) as u16)
 }
 
-/// A new flow to the identity Service, then `repeat - 1` established runs of
-/// the same frame; the kernel's average per run.
+/// A frame to the ping Service run `repeat` times: two new flows (ping, then
+/// pong), then established ones; the kernel's average per run.
 fn steady(ebpf: &Ebpf, maps: &Maps, proto: u8, client: u32, repeat: u32) -> Result<f64> {
     let port = if proto == IPPROTO_TCP { TCP_PORT } else { UDP_PORT };
-    let f = frame(proto, client_of(client), (IDENTITY_VIP, port));
+    let f = frame(proto, client_of(client), (PING_VIP, port));
     let before = maps.read_counters()?;
     let prog: &SchedClassifier = ebpf.program(TC_INGRESS).unwrap().try_into()?;
     let mut out = vec![0u8; f.len() + 64];
     let res = prog.test_run(TestRunOptions { data_in: Some(&f), data_out: Some(&mut out), repeat, ..TestRunOptions::new() })?;
-    ensure!(res.return_value == TC_ACT_OK, "identity Service verdict {:#x}", res.return_value);
+    ensure!(res.return_value == TC_ACT_OK, "ping-pong Services verdict {:#x}", res.return_value);
     let after = maps.read_counters()?;
     let moved = |c: Counter| after[c as usize] - before[c as usize];
     ensure!(
-        moved(Counter::NewFlow) == 1 && moved(Counter::Established) == u64::from(repeat) - 1,
-        "identity Service: {} new and {} established runs, want 1 and {}",
+        moved(Counter::NewFlow) == 2 && moved(Counter::Established) == u64::from(repeat) - 2,
+        "ping-pong Services: {} new and {} established runs, want 2 and {}",
         moved(Counter::NewFlow),
         moved(Counter::Established),
-        repeat - 1
+        repeat - 2
     );
     Ok(res.duration.as_nanos() as f64)
 }

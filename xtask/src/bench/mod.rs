@@ -68,7 +68,7 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
         let (warmup, window, rounds) = if opts.quick {
             (Duration::from_millis(200), Duration::from_millis(500), 1)
         } else {
-            (Duration::from_millis(300), Duration::from_millis(1500), 5)
+            (Duration::from_millis(300), Duration::from_millis(1500), 3)
         };
         m.traffic = Some(traffic::run(work.path(), warmup, window, rounds)?);
     }

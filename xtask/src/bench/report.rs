@@ -141,11 +141,13 @@ fn targets(md: &mut String, m: &Measured) {
                 r.repeat
             ),
             met: Some(est < 100.0),
-            why: "The established path is one conntrack lookup, an update of the entry's last-seen time (a map \
-                  update, which takes the bucket lock) and the NAT rewrite through the kernel's store and \
-                  checksum helpers (bpf_skb_store_bytes, bpf_l3_csum_replace, bpf_l4_csum_replace). Closing it: \
-                  refresh last-seen in place only when it is older than a second, and fold both rewrites into \
-                  one store with a precomputed checksum delta."
+            why: "The established path, as the datapath has it: parse, a conntrack lookup, a lookup of the \
+                  backend to check it is still the same, a second conntrack lookup to refresh last-seen \
+                  (touch), and the rewrite through the kernel's helpers: two checksum updates and a store for \
+                  the address, one of each for the port (bpf_l4_csum_replace, bpf_l3_csum_replace, \
+                  bpf_skb_store_bytes). Closing it: refresh last-seen through the pointer the first lookup \
+                  returned, keep the backend's generation in the conntrack entry instead of looking the \
+                  backend up, and write address and port with one store and one checksum delta (bpf_csum_diff)."
                 .into(),
         });
     }
@@ -166,14 +168,14 @@ fn targets(md: &mut String, m: &Measured) {
                     },
                     result: format!("{}: {}", kind.label(), fmt(got)),
                     met: got.map(|g| g >= want),
-                    why: "A connect+request exchanges about eight packets through the proxy, and the client, proxy and \
-                          server share two cores: most of each transaction is socket and TCP work that every peer pays \
-                          alike, so the proxy's share bounds any ratio. nftables already finds the service with one \
-                          verdict-map lookup; its remaining cost is conntrack and NAT setup per connection. Closing it \
-                          on real hardware: put client and server on other machines so the proxy is the bottleneck; in \
-                          ebpf-proxy, skip the netfilter conntrack altogether for translated flows (it still runs here \
-                          when the node has it loaded)."
-                        .into(),
+                    why: "A connect+request sends about eight packets through the proxy, and the client, proxy and \
+                      server share two cores: most of each transaction is socket and TCP work that every peer \
+                      pays alike (no proxy is the ceiling), which bounds any ratio. nftables finds the service \
+                      with one verdict-map lookup, so its cost does not grow with the Services either; what \
+                      remains between the two is conntrack and NAT setup per connection against two LRU \
+                      inserts. Closing it, or showing it: client and server on other machines, so the proxy's \
+                      CPU is what is measured."
+                    .into(),
                 });
             }
             for mode in [Mode::TcpKept, Mode::UdpRr, Mode::UdpStream] {
@@ -186,11 +188,11 @@ fn targets(md: &mut String, m: &Measured) {
                     },
                     result: format!("{}: {} of no proxy", kind.label(), fmt(got)),
                     met: got.map(|g| g >= 0.85),
-                    why: "Every packet runs the TC program on the ingress of the node-side veth (conntrack lookup, \
-                          touch, rewrite, checksum helpers) in both directions; with all parties on two cores that \
-                          per-packet work is a visible share. Closing it: cheaper established path (see the \
-                          micro-benchmark), and XDP for traffic entering from a NIC."
-                        .into(),
+                    why: "Every packet runs the TC program at ingress (and, for NodePort, the SNAT at egress) in both \
+                      directions, with client, proxy and server on the same two cores; see the spread table \
+                      for how far apart the rounds of one peer are on this machine. Closing it: a cheaper \
+                      established path (see the micro-benchmark) and XDP for traffic that enters from a NIC."
+                    .into(),
                 });
             }
         }
@@ -310,13 +312,14 @@ fn micro_section(md: &mut String, r: &micro::Results, figures: &Path) -> Result<
          checked after each series: every sample took the path it is filed under (NewFlow / Established). \
          {} samples per cell; median (p90) in ns. The floor is a frame the program leaves at once (ARP): \
          the cost of the method itself, caches cold from the syscall.\n\n\
-         *Steady state*: `repeat` = {} on one flow to a Service whose endpoint is its own address and port, \
-         so the NAT writes back the same bytes (the helpers still run) and every repeat after the first is \
-         an established flow; the kernel's average per run, caches hot. Counters checked: 1 new, {} \
+         *Steady state*: `repeat` = {} on a frame to Service A:80 whose only endpoint is Service B:8080, \
+         whose only endpoint is A:80: the first run turns the frame into one for B, the second back into \
+         one for A, and every later run is an established flow with a full rewrite (address, port and \
+         their checksums); the kernel's average per run, caches hot. Counters checked: 2 new, {} \
          established.\n",
         r.samples,
         r.repeat,
-        r.repeat - 1
+        r.repeat - 2
     );
     let _ = writeln!(md, "| services | TCP established, steady | UDP established, steady | TCP new | TCP established | UDP new | UDP established | floor |");
     let _ = writeln!(md, "|---:|---:|---:|---:|---:|---:|---:|---:|");
