@@ -60,7 +60,7 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
     let mut m = Measured { command: command_line(opts), ..Measured::default() };
     if wants(Family::Micro) {
         eprintln!("==> datapath micro-benchmark");
-        let (samples, repeat) = if opts.quick { (500, 10_000) } else { (20_000, 1_000_000) };
+        let (samples, repeat) = if opts.quick { (500, 10_000) } else { (10_000, 1_000_000) };
         m.micro = Some(micro::run(samples, repeat)?);
     }
     if wants(Family::Traffic) {
