@@ -16,6 +16,7 @@ pub const MAP_CLUSTER_CIDRS: &str = "CLUSTER_CIDRS";
 pub const MAP_SERVICE_CIDRS: &str = "SERVICE_CIDRS";
 pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
 pub const MAP_AFFINITY: &str = "AFFINITY";
+pub const MAP_SOCK_REVNAT: &str = "SOCK_REVNAT";
 
 pub const MAX_FRONTENDS: u32 = 262_144;
 pub const MAX_BACKEND_SLOTS: u32 = 1_048_576;
@@ -27,6 +28,7 @@ pub const MAX_SNAT_ADDRS: u32 = 1024;
 pub const MAX_CIDRS: u32 = 256;
 pub const MAX_SOURCE_RANGES: u32 = 65_536;
 pub const MAX_AFFINITY: u32 = 65_536;
+pub const MAX_SOCK_REVNAT: u32 = 65_536;
 
 /// Set on a packet at ingress when its flow must be masqueraded; the egress
 /// program does the SNAT once routing has chosen the interface, and clears it.
@@ -199,6 +201,19 @@ pub const fn v4_prefix_len(n: u32) -> u32 {
     96 + n
 }
 
+/// A node socket translated at connect()/sendmsg(): which frontend the
+/// backend it talks to stands for (for getpeername()/recvmsg()).
+#[repr(C)]
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, Default)]
+pub struct SockRevKey {
+    pub cookie: u64,
+    pub addr: Addr,
+    /// Network byte order.
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: [u8; 5],
+}
+
 /// sessionAffinity ClientIP: which backend a client of a service stuck to.
 #[repr(C)]
 #[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, Default)]
@@ -326,6 +341,7 @@ mod pod {
     unsafe impl aya::Pod for ServiceName {}
     unsafe impl aya::Pod for Addr {}
     unsafe impl aya::Pod for TraceReport {}
+    unsafe impl aya::Pod for SockRevKey {}
     unsafe impl aya::Pod for SnatEntry {}
     unsafe impl aya::Pod for CidrData {}
     unsafe impl aya::Pod for SourceRangeData {}
@@ -353,6 +369,7 @@ mod tests {
         assert_eq!(size_of::<SourceRangeData>(), 20);
         assert_eq!(size_of::<AffinityKey>(), 20);
         assert_eq!(size_of::<AffinityEntry>(), 16);
+        assert_eq!(size_of::<SockRevKey>(), 32);
         assert_eq!(size_of::<ServiceName>(), 8 + SERVICE_NAME_LEN);
     }
 

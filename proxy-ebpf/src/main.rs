@@ -21,14 +21,16 @@ mod reject;
 #[cfg(target_arch = "bpf")]
 mod skb;
 #[cfg(target_arch = "bpf")]
+mod sock;
+#[cfg(target_arch = "bpf")]
 mod trace;
 
 #[cfg(target_arch = "bpf")]
 mod program {
     use aya_ebpf::{
         bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
-        macros::classifier,
-        programs::TcContext,
+        macros::{cgroup_sock_addr, classifier},
+        programs::{SockAddrContext, TcContext},
     };
     use proxy_common::{
         CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, MASQUERADE_MARK, REVERSE_NAT_MARK, SVC_DROP_IF_EMPTY,
@@ -39,7 +41,7 @@ mod program {
         conntrack,
         lb::{self, Miss},
         maps::count,
-        masquerade, nat, parse, reject, trace,
+        masquerade, nat, parse, reject, sock, trace,
     };
 
     /// Leaves the packet to whatever runs next (TCX_NEXT / TC_ACT_UNSPEC).
@@ -64,7 +66,7 @@ mod program {
         let pkt = match parse::parse(ctx) {
             Ok(pkt) => pkt,
             Err(reason) => {
-                note::<TRACE>(ctx, reason);
+                note::<TRACE>(reason);
                 return NOT_OURS;
             }
         };
@@ -84,7 +86,7 @@ mod program {
                     }
                     // The source becomes the frontend at egress, after routing.
                     set_mark(ctx, REVERSE_NAT_MARK);
-                    return verdict::<TRACE>(ctx, done, Counter::Reply);
+                    return verdict::<TRACE>(done, Counter::Reply);
                 }
                 CT_ORIGINAL if lb::backend_still_matches(ct) => {
                     if !TRACE {
@@ -93,11 +95,11 @@ mod program {
                     if ct.flags & CT_MASQUERADE != 0 {
                         set_mark(ctx, MASQUERADE_MARK);
                     }
-                    return verdict::<TRACE>(ctx, nat::rewrite_dst(ctx, &pkt, &ct.nat_addr, ct.nat_port), Counter::Established);
+                    return verdict::<TRACE>(nat::rewrite_dst(ctx, &pkt, &ct.nat_addr, ct.nat_port), Counter::Established);
                 }
                 // The backend is gone: choose again below, so the flow moves to a
                 // live backend instead of black-holing.
-                _ => note::<TRACE>(ctx, Counter::Rebalanced),
+                _ => note::<TRACE>(Counter::Rebalanced),
             }
         }
 
@@ -105,30 +107,30 @@ mod program {
         let service = match lb::lookup_frontend(&pkt.tuple, scope) {
             Ok(service) => service,
             Err(Miss::NotOurs) => {
-                note::<TRACE>(ctx, Counter::Passed);
+                note::<TRACE>(Counter::Passed);
                 return NOT_OURS;
             }
             Err(Miss::Reject) => return reject_packet::<TRACE>(ctx, &pkt),
             Err(Miss::DropUnallocated) => {
-                note::<TRACE>(ctx, Counter::DropUnallocated);
+                note::<TRACE>(Counter::DropUnallocated);
                 return DROP;
             }
         };
         trace::record::<TRACE>(service.service_id, 0, scope as u32);
         if service.flags & SVC_SOURCE_RANGES != 0 && !lb::source_allowed(&service, &pkt.tuple.src) {
-            note::<TRACE>(ctx, Counter::DropSourceRange);
+            note::<TRACE>(Counter::DropSourceRange);
             return DROP;
         }
         let Some((backend_id, backend, sticky)) = lb::choose_backend(&service, &pkt.tuple.src, !TRACE) else {
             if service.flags & SVC_DROP_IF_EMPTY != 0 {
-                note::<TRACE>(ctx, Counter::DropNoLocal);
+                note::<TRACE>(Counter::DropNoLocal);
                 return DROP;
             }
-            note::<TRACE>(ctx, Counter::NoBackend);
+            note::<TRACE>(Counter::NoBackend);
             return reject_packet::<TRACE>(ctx, &pkt);
         };
         if sticky {
-            note::<TRACE>(ctx, Counter::AffinityHit);
+            note::<TRACE>(Counter::AffinityHit);
         }
         // Hairpin: a pod reaching itself through its Service must see the
         // node as the source, or its reply would skip the reverse NAT.
@@ -141,15 +143,15 @@ mod program {
             }
         }
         if masquerade {
-            note::<TRACE>(ctx, Counter::Masqueraded);
+            note::<TRACE>(Counter::Masqueraded);
             set_mark(ctx, MASQUERADE_MARK);
         }
-        verdict::<TRACE>(ctx, nat::rewrite_dst(ctx, &pkt, &backend.addr, backend.port), Counter::NewFlow)
+        verdict::<TRACE>(nat::rewrite_dst(ctx, &pkt, &backend.addr, backend.port), Counter::NewFlow)
     }
 
     /// Counts, or in a trace notes the counter in the result.
     #[inline(always)]
-    fn note<const TRACE: bool>(ctx: &TcContext, counter: Counter) {
+    fn note<const TRACE: bool>(counter: Counter) {
         if TRACE { trace::note(counter) } else { count(counter) }
     }
 
@@ -181,6 +183,26 @@ mod program {
         }
     }
 
+    #[cgroup_sock_addr(connect4)]
+    pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
+        sock::translate(&ctx)
+    }
+
+    #[cgroup_sock_addr(sendmsg4)]
+    pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
+        sock::translate(&ctx)
+    }
+
+    #[cgroup_sock_addr(recvmsg4)]
+    pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
+        sock::reverse(&ctx)
+    }
+
+    #[cgroup_sock_addr(getpeername4)]
+    pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
+        sock::reverse(&ctx)
+    }
+
     #[inline(always)]
     fn set_mark(ctx: &TcContext, bits: u32) {
         ctx.set_mark(crate::skb::mark(ctx) | bits);
@@ -190,11 +212,11 @@ mod program {
     fn reject_packet<const TRACE: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
         match reject::reject(ctx, pkt) {
             Ok(redirect) => {
-                note::<TRACE>(ctx, Counter::Rejected);
+                note::<TRACE>(Counter::Rejected);
                 redirect
             }
             Err(_) => {
-                note::<TRACE>(ctx, Counter::RejectFailed);
+                note::<TRACE>(Counter::RejectFailed);
                 DROP
             }
         }
@@ -203,14 +225,14 @@ mod program {
     /// A failed rewrite may have left the packet half-changed: drop it rather
     /// than send it on with a wrong address or checksum.
     #[inline(always)]
-    fn verdict<const TRACE: bool>(ctx: &TcContext, rewrite: Result<(), i64>, counter: Counter) -> i32 {
+    fn verdict<const TRACE: bool>(rewrite: Result<(), i64>, counter: Counter) -> i32 {
         match rewrite {
             Ok(()) => {
-                note::<TRACE>(ctx, counter);
+                note::<TRACE>(counter);
                 TC_ACT_OK as i32
             }
             Err(_) => {
-                note::<TRACE>(ctx, Counter::RewriteFailed);
+                note::<TRACE>(Counter::RewriteFailed);
                 TC_ACT_SHOT as i32
             }
         }

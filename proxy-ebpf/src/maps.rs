@@ -51,6 +51,10 @@ pub static AFFINITY: LruHashMap<AffinityKey, AffinityEntry> = LruHashMap::pinned
 #[map]
 pub static SCRATCH: PerCpuArray<[u8; crate::reject::OUT_LEN]> = PerCpuArray::with_max_entries(1, 0);
 
+/// Node sockets translated at connect()/sendmsg() -> the frontend dialled.
+#[map]
+pub static SOCK_REVNAT: LruHashMap<SockRevKey, FrontendKey> = LruHashMap::pinned(MAX_SOCK_REVNAT, 0);
+
 /// `tc_trace`'s report; not pinned: each `ebpf-proxy trace` has its own.
 #[map]
 pub static TRACE_REPORT: Array<TraceReport> = Array::with_max_entries(1, 0);

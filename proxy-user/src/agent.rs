@@ -14,6 +14,7 @@ use tracing::{error, info, warn};
 
 use crate::{
     attach::Attacher,
+    cgroup,
     cli::RunArgs,
     health::{self, Health},
     maps::{self, Maps},
@@ -38,7 +39,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         ),
     };
 
-    let (ebpf, mut maps) = maps::load(&args.bpffs_root)?;
+    let (mut ebpf, mut maps) = maps::load(&args.bpffs_root)?;
     let held = maps.read_contents().context("read pinned maps")?;
     info!(
         bpffs_root = %args.bpffs_root.display(),
@@ -48,6 +49,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     );
     let mut reconciler = Reconciler::adopt(held);
 
+    cgroup::attach_or_warn(&mut ebpf, &args.bpffs_root, args.cgroup_root.as_deref())?;
     let attacher = Attacher::new(ebpf, &args.bpffs_root, args.devices.clone())?;
     let (ready_tx, ready_rx) = oneshot::channel();
     let mut attach_task = tokio::spawn(attacher.run(ready_tx));

@@ -37,17 +37,17 @@ pub fn cleanup(root: &Path) -> Result<()> {
     if let Ok(entries) = std::fs::read_dir(&links) {
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let Some((attach_type, ifindex)) = HOOKS.iter().find_map(|(_, attach_type, hook)| {
+            // TC links are waited for below; socket hooks (cgroup-*) have no
+            // per-interface hook to watch, their unpin is enough.
+            let tc = HOOKS.iter().find_map(|(_, attach_type, hook)| {
                 let ifindex = name.strip_prefix(hook)?.strip_prefix('-')?.parse::<u32>().ok()?;
                 Some((*attach_type, ifindex))
-            }) else {
-                continue;
-            };
+            });
             // A pin that is not a link (or is unreadable) is still ours to remove.
             let program_id = PinnedLink::from_pin(e.path()).ok().and_then(|p| FdLink::from(p).info().ok()).map(|i| i.program_id());
             std::fs::remove_file(e.path()).with_context(|| format!("unpin {}", e.path().display()))?;
             removed += 1;
-            if let Some(program_id) = program_id {
+            if let (Some((attach_type, ifindex)), Some(program_id)) = (tc, program_id) {
                 unpinned.push(Unpinned { attach_type, ifindex, program_id });
             }
         }

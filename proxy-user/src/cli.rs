@@ -89,6 +89,10 @@ pub struct RunArgs {
     /// NodePorts open only on node addresses inside these CIDRs. Default: every node address.
     #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR]")]
     pub node_port_addresses: Vec<IpNet>,
+    /// cgroup v2 directory whose processes get services at the socket (the
+    /// node's own traffic). Default: the cgroup v2 root.
+    #[arg(long, value_name = "DIR")]
+    pub cgroup_root: Option<PathBuf>,
     /// Masquerade every flow to a ClusterIP, whatever its source.
     #[arg(long)]
     pub masquerade_all: bool,

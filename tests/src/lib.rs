@@ -9,6 +9,7 @@
 pub mod agent;
 pub mod bench;
 pub mod bpffs;
+pub mod cgroup;
 pub mod demo;
 pub mod echo;
 pub mod manifests;

@@ -1,0 +1,91 @@
+//! Service translation for processes on the node itself (kubelet, host-
+//! network pods): their packets reach no interface's ingress before routing,
+//! so the destination is translated at the socket instead, by cgroup hooks
+//! on `--cgroup-root`. connect() (TCP, connected UDP) and sendmsg()
+//! (unconnected UDP) get the backend; getpeername() and recvmsg() give the
+//! frontend back, so the application only ever sees the address it dialled.
+//! No NAT happens: the socket talks to the backend directly, from a node
+//! address, which is what kube-proxy's masquerade would have made of it.
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::BPF_ANY,
+    helpers::{bpf_get_socket_cookie, bpf_set_retval},
+    programs::SockAddrContext,
+};
+use proxy_common::{Addr, FrontendKey, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SockRevKey};
+
+use crate::{
+    lb::{self, Miss},
+    maps::SOCK_REVNAT,
+};
+
+/// The hook's verdicts: 1 lets the call proceed, 0 fails it (with the errno
+/// set through bpf_set_retval, EPERM otherwise).
+const PROCEED: i32 = 1;
+const FAIL: i32 = 0;
+const ECONNREFUSED: i32 = 111;
+
+#[inline(always)]
+fn sock(ctx: &SockAddrContext) -> &mut aya_ebpf::bindings::bpf_sock_addr {
+    unsafe { &mut *ctx.sock_addr }
+}
+
+/// connect4 / sendmsg4: a frontend's address becomes a backend's.
+#[inline(always)]
+pub fn translate(ctx: &SockAddrContext) -> i32 {
+    let s = sock(ctx);
+    let proto = s.protocol as u8;
+    let addr = Addr::from_v4_octets(s.user_ip4.to_ne_bytes());
+    let port = s.user_port as u16;
+    let tuple = proxy_common::CtKey { src: Addr::default(), dst: addr, sport: 0, dport: port, proto, _pad: [0; 3] };
+    // The node counts as in-cluster: for externalTrafficPolicy=Local frontends
+    // it reaches every endpoint, as kube-proxy sends local traffic.
+    let service = match lb::lookup_frontend(&tuple, SCOPE_INTERNAL) {
+        Ok(service) => service,
+        Err(Miss::NotOurs) => return PROCEED,
+        Err(Miss::Reject) => return refuse(),
+        Err(Miss::DropUnallocated) => return FAIL,
+    };
+    // Affinity by the node: every node process is one client.
+    let Some((_, backend, _)) = lb::choose_backend(&service, &Addr::default(), true) else {
+        return if service.flags & SVC_DROP_IF_EMPTY != 0 { FAIL } else { refuse() };
+    };
+    let key = SockRevKey { cookie: cookie(ctx), addr: backend.addr, port: backend.port, proto, _pad: [0; 5] };
+    let frontend = FrontendKey { addr, port, proto, scope: SCOPE_INTERNAL };
+    let _ = SOCK_REVNAT.insert(&key, &frontend, BPF_ANY as u64);
+    let octets = backend.addr.v4_octets();
+    s.user_ip4 = u32::from_ne_bytes(octets);
+    s.user_port = backend.port as u32;
+    PROCEED
+}
+
+/// getpeername4 / recvmsg4: a backend's address is shown as the frontend's.
+#[inline(always)]
+pub fn reverse(ctx: &SockAddrContext) -> i32 {
+    let s = sock(ctx);
+    let key = SockRevKey {
+        cookie: cookie(ctx),
+        addr: Addr::from_v4_octets(s.user_ip4.to_ne_bytes()),
+        port: s.user_port as u16,
+        proto: s.protocol as u8,
+        _pad: [0; 5],
+    };
+    if let Some(frontend) = unsafe { SOCK_REVNAT.get(&key) } {
+        s.user_ip4 = u32::from_ne_bytes(frontend.addr.v4_octets());
+        s.user_port = frontend.port as u32;
+    }
+    PROCEED
+}
+
+#[inline(always)]
+fn cookie(ctx: &SockAddrContext) -> u64 {
+    unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
+}
+
+/// kube-proxy's REJECT as the caller sees it: ECONNREFUSED.
+#[inline(always)]
+fn refuse() -> i32 {
+    unsafe { bpf_set_retval(-ECONNREFUSED) };
+    FAIL
+}

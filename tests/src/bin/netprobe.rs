@@ -1,0 +1,59 @@
+//! A client for tests that must run as its own process (for example inside
+//! a node's cgroup): `netprobe tcp|udp ADDR:PORT [SOURCE_IP]` sends one line
+//! to an echo server and prints `peer=<address the socket reports>
+//! reply=<answer>`, or `error=<io error kind>`.
+
+use std::{
+    io::{Read, Write},
+    net::{IpAddr, SocketAddr, TcpStream, UdpSocket},
+    time::Duration,
+};
+
+use socket2::{Domain, Socket, Type};
+
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let (Some(proto), Some(Ok(to))) = (args.get(1), args.get(2).map(|a| a.parse::<SocketAddr>())) else {
+        eprintln!("usage: netprobe tcp|udp ADDR:PORT");
+        std::process::exit(2);
+    };
+    let from: Option<IpAddr> = args.get(3).and_then(|a| a.parse().ok());
+    let result = match proto.as_str() {
+        "tcp" => tcp(to, from),
+        "udp" => udp(to, from),
+        _ => {
+            eprintln!("netprobe: protocol must be tcp or udp");
+            std::process::exit(2);
+        }
+    };
+    match result {
+        Ok((peer, reply)) => println!("peer={peer} reply={}", reply.trim()),
+        Err(e) => println!("error={:?}", e.kind()),
+    }
+}
+
+fn tcp(to: SocketAddr, from: Option<IpAddr>) -> std::io::Result<(SocketAddr, String)> {
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None)?;
+    if let Some(ip) = from {
+        socket.bind(&SocketAddr::new(ip, 0).into())?;
+    }
+    socket.connect_timeout(&to.into(), TIMEOUT)?;
+    let mut s: TcpStream = socket.into();
+    s.set_read_timeout(Some(TIMEOUT))?;
+    s.write_all(b"hello\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    Ok((s.peer_addr()?, text))
+}
+
+/// Unconnected, so the answer's source comes through recvmsg.
+fn udp(to: SocketAddr, from: Option<IpAddr>) -> std::io::Result<(SocketAddr, String)> {
+    let s = UdpSocket::bind(SocketAddr::new(from.unwrap_or(IpAddr::from([0, 0, 0, 0])), 0))?;
+    s.set_read_timeout(Some(TIMEOUT))?;
+    s.send_to(b"hello\n", to)?;
+    let mut buf = [0u8; 1500];
+    let (n, from) = s.recv_from(&mut buf)?;
+    Ok((from, String::from_utf8_lossy(&buf[..n]).into_owned()))
+}
