@@ -23,6 +23,7 @@ use proxy_tests::{
     agent::Agent,
     bench::services::{self, Service, ServiceSet},
     bpffs::Bpffs,
+    cgroup::Cgroup,
     netns::Netns,
 };
 use proxy_user::maps::Maps;
@@ -96,9 +97,12 @@ pub fn run(work: &Path, changes: usize) -> Result<Results> {
         let ns = Netns::new(&format!("ep{}-bench-cp", proxy_tests::unique_suffix()))?;
         let bpffs = Bpffs::new("bench-cp")?;
         let root = bpffs.path().join("ebpf-proxy");
+        // Socket hooks on an empty cgroup of their own, away from every process.
+        let cgroup = Cgroup::new("bench-cp")?;
+        let cg = cgroup.path().to_string_lossy().into_owned();
         let started = Instant::now();
         let started_wall = std::time::SystemTime::now();
-        let mut agent = Agent::start(&ns, &dir, &root, &[])?;
+        let mut agent = Agent::start(&ns, &dir, &root, &["--cgroup-root", &cg])?;
         agent.wait_healthy(&ns, Duration::from_secs(600))?;
         let to_healthy = started.elapsed();
         let pid = pid_of(&root)?;
@@ -129,6 +133,7 @@ pub fn run(work: &Path, changes: usize) -> Result<Results> {
         }
         drop(agent);
         drop(bpffs);
+        drop(cgroup);
         drop(ns);
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -27,6 +27,7 @@ use proxy_tests::{
         services::{ServiceSet, TCP_NODE_PORT, TCP_PORT, TCP_TARGET, UDP_NODE_PORT, UDP_PORT, UDP_TARGET},
     },
     bpffs::Bpffs,
+    cgroup::Cgroup,
     topology::{External, Node, Pod},
 };
 
@@ -225,16 +226,24 @@ impl Bench {
         Ok(Bench { server, client, external, _backend: backend, node })
     }
 
-    /// Puts `peer` in place; for ebpf-proxy, the agent and its bpffs, kept
-    /// while it is measured (rules go with the node namespace).
-    fn program(&self, peer: Peer, manifests: &Path, ipt: &Path, nft: &Path) -> Result<Option<(Agent, Bpffs)>> {
+    /// Puts `peer` in place; for ebpf-proxy, the agent, its bpffs and the
+    /// cgroup for its socket hooks, kept while it is measured (rules go with
+    /// the node namespace).
+    fn program(&self, peer: Peer, manifests: &Path, ipt: &Path, nft: &Path) -> Result<Option<(Agent, Bpffs, Cgroup)>> {
         let ns = &self.node.ns;
         match peer {
             Peer::EbpfProxy => {
                 let bpffs = Bpffs::new("bench-traffic")?;
-                let mut agent = Agent::start(ns, manifests, &bpffs.path().join("ebpf-proxy"), &AGENT_FLAGS)?;
+                // The socket hooks go on an empty cgroup of their own: the
+                // load generator and every other process on the machine stay
+                // outside them, so all traffic here takes the TC path.
+                let cgroup = Cgroup::new("bench-traffic")?;
+                let mut flags = AGENT_FLAGS.to_vec();
+                let cg = cgroup.path().to_string_lossy().into_owned();
+                flags.extend(["--cgroup-root", &cg]);
+                let mut agent = Agent::start(ns, manifests, &bpffs.path().join("ebpf-proxy"), &flags)?;
                 agent.wait_healthy(ns, Duration::from_secs(300))?;
-                Ok(Some((agent, bpffs)))
+                Ok(Some((agent, bpffs, cgroup)))
             }
             Peer::Nftables => {
                 feed(ns.command("nft").args(["-f", "-"]), nft)?;
