@@ -84,16 +84,30 @@ mod tests {
 pub struct Results {
     pub syncs: Vec<SyncRow>,
     pub changes: Vec<ChangeRow>,
+    /// Scales whose measurement failed, with the reason: reported, and the
+    /// other scales still run.
+    pub failed: Vec<(usize, String)>,
 }
 
 pub fn run(work: &Path, changes: usize) -> Result<Results> {
     let mut out = Results::default();
     for &scale in &SCALES {
+        let dir = work.join(format!("control-{scale}"));
+        if let Err(e) = one_scale(&mut out, &dir, scale, changes) {
+            eprintln!("      failed at {scale} services: {e:#}");
+            out.failed.push((scale, format!("{e:#}")));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(out)
+}
+
+fn one_scale(out: &mut Results, dir: &Path, scale: usize, changes: usize) -> Result<()> {
+    {
         eprintln!("    control: cold sync of {scale} services");
         let set = ServiceSet::new(scale);
-        let dir = work.join(format!("control-{scale}"));
-        let _ = std::fs::remove_dir_all(&dir);
-        set.write_manifests(&dir, 1000)?;
+        let _ = std::fs::remove_dir_all(dir);
+        set.write_manifests(dir, 1000)?;
         let ns = Netns::new(&format!("ep{}-bench-cp", proxy_tests::unique_suffix()))?;
         let bpffs = Bpffs::new("bench-cp")?;
         let root = bpffs.path().join("ebpf-proxy");
@@ -102,8 +116,12 @@ pub fn run(work: &Path, changes: usize) -> Result<Results> {
         let cg = cgroup.path().to_string_lossy().into_owned();
         let started = Instant::now();
         let started_wall = std::time::SystemTime::now();
-        let mut agent = Agent::start(&ns, &dir, &root, &["--cgroup-root", &cg])?;
-        agent.wait_healthy(&ns, Duration::from_secs(600))?;
+        let mut agent = Agent::start(&ns, dir, &root, &["--cgroup-root", &cg])?;
+        // The agent's own errors (a full map, say) end up in the message.
+        agent.wait_healthy(&ns, Duration::from_secs(300)).map_err(|e| {
+            let last = agent.logs().lines().rev().find(|l| l.contains("ERROR")).unwrap_or("").to_string();
+            anyhow::anyhow!("{}; last agent error: {last}", e.to_string().lines().next().unwrap_or(""))
+        })?;
         let to_healthy = started.elapsed();
         let pid = pid_of(&root)?;
         let syncs = agent_syncs(&agent.logs());
@@ -129,15 +147,14 @@ pub fn run(work: &Path, changes: usize) -> Result<Results> {
         out.syncs.push(row);
         if CHANGE_SCALES.contains(&scale) {
             eprintln!("    control: {changes} changes at {scale} services");
-            out.changes.push(changes_to_map(&agent, &dir, &root, scale, changes)?);
+            out.changes.push(changes_to_map(&agent, dir, &root, scale, changes)?);
         }
         drop(agent);
         drop(bpffs);
         drop(cgroup);
         drop(ns);
-        let _ = std::fs::remove_dir_all(&dir);
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Adds `count` Services one by one and times each from the rename of its

@@ -74,7 +74,7 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
     }
     if wants(Family::Control) {
         eprintln!("==> control plane");
-        m.control = Some(control::run(work.path(), if opts.quick { 10 } else { 100 })?);
+        m.control = Some(control::run(work.path(), if opts.quick { 10 } else { 50 })?);
     }
     m.wall = started.elapsed();
     let out = crate::cargo::workspace_root().join(&opts.out);

@@ -558,6 +558,9 @@ fn control_section(md: &mut String, r: &control::Results, figures: &Path) -> Res
             f(c.agent_sync_p99)
         );
     }
+    for (n, why) in &r.failed {
+        let _ = writeln!(md, "\n**Failed at {n} services**: {why}");
+    }
     let lines = vec![
         Line { label: "agent RSS (MiB)".into(), points: r.syncs.iter().map(|s| (s.services as f64, s.rss_mib)).collect() },
         Line { label: "agent peak RSS (MiB)".into(), points: r.syncs.iter().map(|s| (s.services as f64, s.hwm_mib)).collect() },
