@@ -17,11 +17,13 @@ use crate::{
     cgroup,
     cli::RunArgs,
     health::{self, Health},
+    healthcheck::{self, HealthCheckServers},
     maps::{self, Maps},
+    metrics::{self, Metrics, TriggerTimes},
     model::{self, ModelConfig, ObjectError},
     node_addrs::{self, NodeAddrs},
     reconciler::Reconciler,
-    source::{Snapshot, Source, manifests::ManifestsSource},
+    source::{Configured, Snapshot, Source, kube::{self as kube_source, KubeSource}, manifests::ManifestsSource},
 };
 
 /// After a failed sync, try again this soon.
@@ -32,11 +34,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
         Some(n) => n.clone(),
         None => nix::unistd::gethostname()?.to_string_lossy().into_owned(),
     };
-    let source = match (&args.manifests, &args.kubeconfig) {
-        (Some(dir), _) => ManifestsSource::new(dir)?,
-        (None, _) => anyhow::bail!(
-            "the Kubernetes API source is not available in this build yet; run with --manifests DIR"
-        ),
+    let source = match &args.manifests {
+        Some(dir) => Configured::Manifests(ManifestsSource::new(dir)?),
+        None => {
+            let client = kube_source::client(args.kubeconfig.as_deref()).await?;
+            Configured::Kube(KubeSource::new(client, node_name.clone()))
+        }
     };
 
     let (mut ebpf, mut maps) = maps::load(&args.bpffs_root)?;
@@ -59,6 +62,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let health = Health::default();
     health::serve(args.healthz_bind_address, health.clone()).await?;
+    let mut health_checks = HealthCheckServers::new(std::net::Ipv4Addr::UNSPECIFIED.into(), health.clone());
+    let metrics = Metrics::new(&args.bpffs_root);
+    metrics::serve(args.metrics_bind_address, metrics.clone()).await?;
 
     let (addrs_tx, mut addrs_rx) = watch::channel(NodeAddrs::default());
     let mut addrs_task = tokio::spawn(node_addrs::watch(addrs_tx));
@@ -74,10 +80,19 @@ pub async fn run(args: RunArgs) -> Result<()> {
         masquerade_all: args.masquerade_all,
         ..Default::default()
     };
-    let mut syncer = Syncer { config, last_errors: Vec::new(), health };
+    let mut syncer = Syncer {
+        config,
+        last_errors: Vec::new(),
+        health,
+        metrics,
+        trigger_times: TriggerTimes::new(chrono::Utc::now()),
+    };
     // The latest snapshot, and whether it (or the node) changed since the last good sync.
     let mut latest: Option<Arc<Snapshot>> = None;
     let mut pending = false;
+    // The first sync waits for the node's addresses: syncing without them
+    // would take an adopted dataplane's NodePorts away for a moment.
+    let mut addrs_listed = false;
     let mut retry_at: Option<Instant> = None;
     loop {
         tokio::select! {
@@ -87,6 +102,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     return res.context("source stopped");
                 }
                 latest = rx.borrow_and_update().clone();
+                if let Some(snap) = &latest {
+                    syncer.health.set_node_eligible(health::node_eligible(snap.node.as_ref()));
+                }
+                syncer.health.queued_update();
                 pending = true;
                 retry_at = None;
             }
@@ -97,6 +116,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let addrs = addrs_rx.borrow_and_update().clone();
                 info!(addresses = ?addrs.all(), "node addresses");
                 syncer.config.node_addresses = addrs.all();
+                addrs_listed = true;
+                syncer.health.queued_update();
                 if let Err(e) = maps.write_node_config(&addrs.snat_sources(), &args.cluster_cidr, &args.service_cidr) {
                     error!("writing node settings to the maps failed: {e:#}");
                 }
@@ -112,10 +133,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
-        if let (true, Some(snap)) = (pending, &latest) {
+        if let (true, true, Some(snap)) = (pending, addrs_listed, &latest) {
             pending = !syncer.sync(snap, &mut reconciler, &mut maps);
             if pending {
                 retry_at = Some(Instant::now() + RETRY);
+            } else {
+                health_checks.sync(&healthcheck::wanted(snap, &syncer.config)).await;
             }
         }
     }
@@ -127,6 +150,8 @@ struct Syncer {
     config: ModelConfig,
     last_errors: Vec<ObjectError>,
     health: Health,
+    metrics: Metrics,
+    trigger_times: TriggerTimes,
 }
 
 impl Syncer {
@@ -135,13 +160,25 @@ impl Syncer {
         let start = std::time::Instant::now();
         let (desired, errors) = model::build(snap, &self.config);
         // Each bad object is reported when it appears, not on every sync.
-        for e in errors.iter().filter(|e| !self.last_errors.contains(e)) {
+        let new: Vec<&ObjectError> = errors.iter().filter(|e| !self.last_errors.contains(e)).collect();
+        for e in &new {
             warn!("skipped {e}");
         }
+        self.metrics.skipped(&errors, &new);
         self.last_errors = errors;
         match reconciler.sync(&desired, maps) {
             Ok(stats) => {
                 self.health.sync_succeeded();
+                let now = chrono::Utc::now();
+                for t in self.trigger_times.new_in(snap) {
+                    self.metrics.programmed_after((now - t).num_milliseconds().max(0) as f64 / 1000.0);
+                }
+                self.metrics.sync_succeeded(
+                    start.elapsed().as_secs_f64(),
+                    desired.backend_sets.len(),
+                    stats.frontends,
+                    stats.backends,
+                );
                 info!(
                     services = desired.backend_sets.len(),
                     frontends = stats.frontends,
@@ -156,6 +193,7 @@ impl Syncer {
             }
             Err(e) => {
                 self.health.sync_failed();
+                self.metrics.sync_failed();
                 error!("sync failed, retrying in {RETRY:?}: {e:#}");
                 false
             }

@@ -64,7 +64,8 @@ pub struct RunArgs {
     /// Read Services and EndpointSlices from the YAML/JSON files under DIR, live.
     #[arg(long, value_name = "DIR", conflicts_with = "kubeconfig")]
     pub manifests: Option<PathBuf>,
-    /// Watch the Kubernetes API with this kubeconfig.
+    /// Watch the Kubernetes API with this kubeconfig. With neither this nor
+    /// --manifests, the in-cluster configuration (service account) is used.
     #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
     /// This node's name (endpoints on it are local). Default: $NODE_NAME, then the hostname.
@@ -77,8 +78,12 @@ pub struct RunArgs {
     /// Where maps and links are pinned; one directory per agent instance.
     #[arg(long, default_value = DEFAULT_BPFFS_ROOT)]
     pub bpffs_root: PathBuf,
+    /// /healthz and /livez, with kube-proxy's JSON body.
     #[arg(long, default_value = "0.0.0.0:10256")]
     pub healthz_bind_address: SocketAddr,
+    /// /metrics, Prometheus text.
+    #[arg(long, default_value = "127.0.0.1:10249")]
+    pub metrics_bind_address: SocketAddr,
     /// Pod CIDRs: sources inside are in-cluster; others reaching a ClusterIP
     /// are masqueraded. Default: every source counts as in-cluster.
     #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR]")]

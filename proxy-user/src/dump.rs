@@ -22,7 +22,19 @@ pub struct ServiceRow {
     #[serde(rename = "type")]
     pub kind: String,
     pub frontend: String,
+    /// Which clients this row is for: `internal` (in-cluster sources) or `external`.
     pub scope: String,
+    /// Which endpoints serve it: `Cluster` (every usable one) or `Local` (this node's).
+    pub policy: &'static str,
+    /// New flows get the node's address as source (kube-proxy's masquerade).
+    pub masquerade: bool,
+    /// Only sources in loadBalancerSourceRanges may connect; others are dropped.
+    pub source_ranges: bool,
+    /// sessionAffinity ClientIP timeout; 0 = no affinity.
+    pub affinity_timeout_seconds: u32,
+    /// What a packet gets while `backends` is empty: REJECT (no endpoint at
+    /// all) or DROP (endpoints exist, none for this policy).
+    pub if_no_backends: &'static str,
     pub backends: Vec<BackendRef>,
 }
 
@@ -49,6 +61,11 @@ pub struct ConntrackRow {
     pub destination: String,
     /// ORIGINAL: the backend the destination becomes; REPLY: the frontend the source becomes.
     pub translated_to: String,
+    /// The flow leaves with the node's address as source (kube-proxy's masquerade).
+    pub masquerade: bool,
+    /// REPLY of a masqueraded flow: the client the reply is sent back to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client: Option<String>,
     pub service: String,
     pub age_seconds: f64,
     pub idle_seconds: f64,
@@ -77,6 +94,10 @@ fn scope_name(scope: u8) -> &'static str {
     if scope == SCOPE_EXTERNAL { "external" } else { "internal" }
 }
 
+fn policy_name(policy: u8) -> &'static str {
+    if policy == POLICY_LOCAL { "Local" } else { "Cluster" }
+}
+
 fn state_names(flags: u8) -> Vec<&'static str> {
     let mut s = Vec::new();
     for (bit, name) in [
@@ -101,19 +122,25 @@ pub fn services(maps: &Maps) -> Result<Vec<ServiceRow>> {
     let mut rows: Vec<ServiceRow> = c
         .frontends
         .iter()
-        // ClusterIP markers (port and protocol 0) only make unserved ports reject.
-        .filter(|(key, _)| key.proto != 0)
+        // Port 0, protocol 0: the marker of an allocated ClusterIP, not a frontend.
+        .filter(|(key, _)| !(key.port == 0 && key.proto == 0))
         .map(|(key, entry)| {
+            let name = c.names.get(&entry.service_id);
             let backends = (0..entry.backend_count)
                 .filter_map(|slot| c.slots.get(&SlotKey { service_id: entry.service_id, slot }))
                 .filter_map(|id| c.backends.get(id))
                 .map(|b| BackendRef { address: endpoint(b.addr, b.port), state: state_names(b.flags) })
                 .collect();
             ServiceRow {
-                service: c.names.get(&entry.service_id).map_or_else(|| format!("<id {}>", entry.service_id), |n| n.0.clone()),
+                service: name.map_or_else(|| format!("<id {}>", entry.service_id), |n| n.0.clone()),
                 kind: kind_name(entry.kind).into(),
                 frontend: format!("{}/{}", endpoint(key.addr, key.port), protocol_name(key.proto)),
                 scope: scope_name(key.scope).into(),
+                policy: policy_name(name.map_or(POLICY_CLUSTER, |n| n.1)),
+                masquerade: entry.flags & SVC_MASQUERADE != 0,
+                source_ranges: entry.flags & SVC_SOURCE_RANGES != 0,
+                affinity_timeout_seconds: entry.affinity_timeout_s,
+                if_no_backends: if entry.flags & SVC_DROP_IF_EMPTY != 0 { "DROP" } else { "REJECT" },
                 backends,
             }
         })
@@ -165,6 +192,8 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
             source: endpoint(k.src, k.sport),
             destination: endpoint(k.dst, k.dport),
             translated_to: endpoint(v.nat_addr, v.nat_port),
+            masquerade: v.flags & CT_MASQUERADE != 0,
+            client: (v.direction == CT_REPLY && v.flags & CT_MASQUERADE != 0).then(|| endpoint(v.rev_addr, v.rev_port)),
             service: names.get(&v.service_id).map_or_else(|| format!("<id {}>", v.service_id), |n| n.0.clone()),
             age_seconds: (secs(v.created_ns) * 10.0).round() / 10.0,
             idle_seconds: (secs(v.last_seen_ns) * 10.0).round() / 10.0,
@@ -196,14 +225,24 @@ pub fn print(what: crate::cli::DumpWhat, output: Output, root: &Path) -> Result<
         (DumpWhat::Backends, Output::Json) => serde_json::to_string_pretty(&backends(&maps)?)?,
         (DumpWhat::Conntrack, Output::Json) => serde_json::to_string_pretty(&conntrack(&maps)?)?,
         (DumpWhat::Services, Output::Table) => table(
-            &["SERVICE", "TYPE", "FRONTEND", "SCOPE", "BACKENDS"],
+            &["SERVICE", "TYPE", "FRONTEND", "SCOPE", "POLICY", "FLAGS", "BACKENDS"],
             services(&maps)?.into_iter().map(|r| {
                 let backends = if r.backends.is_empty() {
-                    "(none: traffic is refused)".to_string()
+                    format!("(none: {})", r.if_no_backends)
                 } else {
                     r.backends.iter().map(|b| format!("{} ({})", b.address, b.state.join(","))).collect::<Vec<_>>().join("\n")
                 };
-                vec![r.service, r.kind, r.frontend, r.scope, backends]
+                let mut flags = Vec::new();
+                if r.masquerade {
+                    flags.push("masquerade".to_string());
+                }
+                if r.source_ranges {
+                    flags.push("source-ranges".to_string());
+                }
+                if r.affinity_timeout_seconds > 0 {
+                    flags.push(format!("affinity {}s", r.affinity_timeout_seconds));
+                }
+                vec![r.service, r.kind, r.frontend, r.scope, r.policy.into(), flags.join("\n"), backends]
             }),
         ),
         (DumpWhat::Backends, Output::Table) => table(
@@ -213,15 +252,20 @@ pub fn print(what: crate::cli::DumpWhat, output: Output, root: &Path) -> Result<
             }),
         ),
         (DumpWhat::Conntrack, Output::Table) => table(
-            &["SERVICE", "DIR", "PROTO", "SOURCE", "DESTINATION", "TRANSLATED TO", "AGE", "IDLE"],
+            &["SERVICE", "DIR", "PROTO", "SOURCE", "DESTINATION", "TRANSLATED TO", "MASQ", "AGE", "IDLE"],
             conntrack(&maps)?.into_iter().map(|r| {
+                let translated = match &r.client {
+                    Some(client) => format!("{}\nto client {client}", r.translated_to),
+                    None => r.translated_to,
+                };
                 vec![
                     r.service,
                     r.direction.into(),
                     r.protocol.into(),
                     r.source,
                     r.destination,
-                    r.translated_to,
+                    translated,
+                    if r.masquerade { "yes" } else { "" }.into(),
                     format!("{:.1}s", r.age_seconds),
                     format!("{:.1}s", r.idle_seconds),
                 ]

@@ -20,7 +20,10 @@ use proxy_common::{
     SVC_SOURCE_RANGES,
 };
 
-use crate::source::Snapshot;
+use crate::{
+    source::Snapshot,
+    topology::{self, Hints},
+};
 
 /// The label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -133,11 +136,26 @@ pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<Ob
         }
     }
 
+    let services: BTreeSet<(String, String)> = snapshot
+        .services
+        .iter()
+        .map(|s| (s.metadata.namespace.clone().unwrap_or_else(|| "default".into()), s.metadata.name.clone().unwrap_or_default()))
+        .collect();
+    for ((ns, svc), slices) in slices_by_service.iter().filter(|(key, _)| !services.contains(key)) {
+        for slice in slices {
+            errors.push(ObjectError {
+                object: format!("endpointslice {ns}/{}", slice.metadata.name.as_deref().unwrap_or("?")),
+                reason: format!("no such service {ns}/{svc}; ignored until it exists"),
+            });
+        }
+    }
+
     for svc in &snapshot.services {
         let ns = svc.metadata.namespace.clone().unwrap_or_else(|| "default".into());
         let name = svc.metadata.name.clone().unwrap_or_default();
         let slices = slices_by_service.get(&(ns.clone(), name.clone())).map(Vec::as_slice).unwrap_or(&[]);
-        let mut ctx = ServiceCtx { ns, name, errors: &mut errors };
+        let zone = topology::node_zone(snapshot.node.as_ref());
+        let mut ctx = ServiceCtx { ns, name, zone, errors: &mut errors };
         build_service(svc, slices, config, &mut ctx, &mut state);
     }
     (state, errors)
@@ -146,6 +164,8 @@ pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<Ob
 struct ServiceCtx<'a> {
     ns: String,
     name: String,
+    /// This node's zone, for topology hints.
+    zone: &'a str,
     errors: &'a mut Vec<ObjectError>,
 }
 
@@ -212,7 +232,8 @@ fn build_service(svc: &Service, slices: &[&EndpointSlice], config: &ModelConfig,
             continue;
         };
         let service = ServicePortName { namespace: ctx.ns.clone(), name: ctx.name.clone(), port: port.name.clone().unwrap_or_default() };
-        let endpoints = categorize(&select_endpoints(slices, &service.port, proto, config, ctx.errors), policy.uses_local());
+        let (all, hints) = select_endpoints(slices, &service.port, proto, config, ctx.errors);
+        let endpoints = categorize(&all, policy.uses_local(), &hints, &config.node_name, ctx.zone);
         let externally_accessible = port.node_port.is_some() || !external_ips.is_empty() || !lb_ips.is_empty();
 
         let cluster = BackendSetKey { service: service.clone(), policy: POLICY_CLUSTER };
@@ -340,8 +361,8 @@ fn parse_source_ranges(spec: &ServiceSpec, ctx: &mut ServiceCtx) -> Vec<IpNet> {
     out
 }
 
-/// kube-proxy's CategorizeEndpoints: the cluster set (ready, else
-/// serving-terminating), the local set (this node's ready, else its
+/// kube-proxy's CategorizeEndpoints: the cluster set (ready and in this
+/// node's topology, else serving-terminating), the local set (this node's ready, else its
 /// serving-terminating) and whether any endpoint is usable at all.
 struct Categorized {
     cluster: Vec<DesiredBackend>,
@@ -349,12 +370,21 @@ struct Categorized {
     any: bool,
 }
 
-fn categorize(all: &[DesiredBackend], uses_local: bool) -> Categorized {
+fn categorize(
+    all: &[DesiredBackend],
+    uses_local: bool,
+    hints: &BTreeMap<(IpAddr, u16), Hints>,
+    node_name: &str,
+    zone: &str,
+) -> Categorized {
     let ready = |b: &&DesiredBackend| b.flags & BACKEND_READY != 0;
     let serving_terminating = |b: &&DesiredBackend| b.flags & BACKEND_SERVING != 0 && b.flags & BACKEND_TERMINATING != 0;
     let is_local = |b: &&DesiredBackend| b.flags & BACKEND_LOCAL != 0;
     let pick = |f: &dyn Fn(&&DesiredBackend) -> bool| all.iter().filter(f).copied().collect::<Vec<_>>();
-    let mut cluster = pick(&ready);
+    let no_hints = Hints::default();
+    let hints_of = |b: &DesiredBackend| hints.get(&(b.addr, b.port)).unwrap_or(&no_hints);
+    let mode = topology::mode(all.iter().filter(ready).map(hints_of), node_name, zone);
+    let mut cluster = pick(&|b| ready(b) && topology::available(hints_of(b), mode, node_name, zone));
     if cluster.is_empty() {
         cluster = pick(&serving_terminating);
     }
@@ -370,14 +400,17 @@ fn categorize(all: &[DesiredBackend], uses_local: bool) -> Categorized {
 }
 
 /// Every endpoint of a service port, once (by address and port), with its
-/// conditions as flags; `categorize` decides which ones serve.
+/// conditions as flags, and its topology hints; `categorize` decides which ones serve.
 fn select_endpoints(
     slices: &[&EndpointSlice],
     port_name: &str,
     proto: u8,
     config: &ModelConfig,
     errors: &mut Vec<ObjectError>,
-) -> Vec<DesiredBackend> {
+) -> (Vec<DesiredBackend>, BTreeMap<(IpAddr, u16), Hints>) {
+    let mut hints: BTreeMap<(IpAddr, u16), Hints> = BTreeMap::new();
+    // Which slice listed each endpoint first, to report it listed again elsewhere.
+    let mut listed_in: BTreeMap<(IpAddr, u16), &str> = BTreeMap::new();
     // Keyed by address and port: the same endpoint in two slices counts once.
     let mut all: BTreeMap<(IpAddr, u16), DesiredBackend> = BTreeMap::new();
     for slice in slices {
@@ -408,12 +441,21 @@ fn select_endpoints(
                 continue;
             };
             let backend = DesiredBackend { addr, port: port_num, proto, flags: endpoint_flags(ep, config) };
+            let this_slice = slice.metadata.name.as_deref().unwrap_or("?");
+            let first = *listed_in.entry((addr, port_num)).or_insert(this_slice);
+            if first != this_slice {
+                errors.push(ObjectError {
+                    object: slice_name(),
+                    reason: format!("endpoint {addr}:{port_num} duplicates one in endpointslice {first}; counted once"),
+                });
+            }
             all.entry((addr, port_num))
                 .and_modify(|b| b.flags |= backend.flags)
                 .or_insert(backend);
+            hints.entry((addr, port_num)).or_default().merge(&Hints::of(ep));
         }
     }
-    all.into_values().collect()
+    (all.into_values().collect(), hints)
 }
 
 /// A Kubernetes protocol name (unset means TCP) as an IP protocol number.
@@ -428,7 +470,7 @@ fn protocol_of(p: Option<&str>) -> Option<u8> {
 
 /// Conditions as the EndpointSlice API defines their defaults: ready unset
 /// means ready, serving unset means "as ready", terminating unset means no.
-fn endpoint_flags(ep: &Endpoint, config: &ModelConfig) -> u8 {
+pub(crate) fn endpoint_flags(ep: &Endpoint, config: &ModelConfig) -> u8 {
     let c = ep.conditions.as_ref();
     let ready = c.and_then(|c| c.ready).unwrap_or(true);
     let serving = c.and_then(|c| c.serving).unwrap_or(ready);
@@ -522,7 +564,12 @@ endpoints:
     #[test]
     fn cluster_ip_ports_get_ready_endpoints_from_all_slices_once() {
         let (state, errors) = build(&snapshot(WEB), &cfg());
-        assert!(errors.is_empty(), "{errors:?}");
+        // 10.244.0.11 is in both slices: served once, reported once per port.
+        let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        assert_eq!(text, [
+            "endpointslice shop/web-2: endpoint 10.244.0.11:8080 duplicates one in endpointslice web-1; counted once",
+            "endpointslice shop/web-2: endpoint 10.244.0.11:5353 duplicates one in endpointslice web-1; counted once",
+        ]);
         assert_eq!(backends_of(&state, "shop/web:http"), ["10.244.0.11:8080", "10.244.0.13:8080"]);
         assert_eq!(backends_of(&state, "shop/web:dns"), ["10.244.0.11:5353", "10.244.0.13:5353"]);
         let key = FrontendKey {

@@ -25,36 +25,75 @@ pub struct Agent {
     pub node: String,
     pub bpffs_root: PathBuf,
     pub healthz: SocketAddr,
+    pub metrics: SocketAddr,
     pub log: PathBuf,
 }
 
 impl Agent {
     /// `ebpf-proxy run --manifests DIR` in `node`, logging to a file.
     pub fn start(node: &Netns, manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
+        Agent::start_bin(&agent_bin(), node, manifests, bpffs_root, extra)
+    }
+
+    /// Like `start`, with another build of the agent (an upgrade).
+    pub fn start_bin(bin: &Path, node: &Netns, manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
+        Agent::launch(bin, &[], node, ("--manifests", manifests), bpffs_root, extra)
+    }
+
+    /// Like `start`, with the agent run through `wrapper` (a command that
+    /// execs its arguments, such as `setpriv --bounding-set=...`).
+    pub fn start_wrapped(node: &Netns, wrapper: &[&str], manifests: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
+        Agent::launch(&agent_bin(), wrapper, node, ("--manifests", manifests), bpffs_root, extra)
+    }
+
+    /// `ebpf-proxy run --kubeconfig FILE` in `node`.
+    pub fn start_kube(node: &Netns, kubeconfig: &Path, bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
+        Agent::launch(&agent_bin(), &[], node, ("--kubeconfig", kubeconfig), bpffs_root, extra)
+    }
+
+    fn launch(bin: &Path, wrapper: &[&str], node: &Netns, source: (&str, &Path), bpffs_root: &Path, extra: &[&str]) -> Result<Agent> {
         let healthz: SocketAddr = ([127, 0, 0, 1], 10256).into();
+        let metrics: SocketAddr = ([127, 0, 0, 1], 10249).into();
         // Next to the bpffs mount (a bpffs holds no regular files).
         let mount = bpffs_root.parent().unwrap_or(bpffs_root);
         let log = PathBuf::from(format!("{}.agent.log", mount.display()));
         let log_file = std::fs::File::create(&log)?;
-        let child = node
-            .command(agent_bin().to_str().unwrap())
+        let bin_str = bin.to_str().context("agent path is not UTF-8")?;
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = node.command(program);
+                c.args(args).arg(bin_str);
+                c
+            }
+            None => node.command(bin_str),
+        };
+        let child = cmd
             .arg("run")
-            .arg("--manifests")
-            .arg(manifests)
+            .arg(source.0)
+            .arg(source.1)
             .arg("--bpffs-root")
             .arg(bpffs_root)
             .arg("--node-name")
             .arg("node-a")
             .arg("--healthz-bind-address")
             .arg(healthz.to_string())
+            .arg("--metrics-bind-address")
+            .arg(metrics.to_string())
             .args(extra)
             .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
             .stdin(Stdio::null())
             .stdout(log_file.try_clone()?)
             .stderr(log_file)
             .spawn()
-            .with_context(|| format!("start {}", agent_bin().display()))?;
-        Ok(Agent { child: Some(child), node: node.name.clone(), bpffs_root: bpffs_root.to_path_buf(), healthz, log })
+            .with_context(|| format!("start {}", bin.display()))?;
+        Ok(Agent {
+            child: Some(child),
+            node: node.name.clone(),
+            bpffs_root: bpffs_root.to_path_buf(),
+            healthz,
+            metrics,
+            log,
+        })
     }
 
     pub fn logs(&self) -> String {
@@ -76,6 +115,25 @@ impl Agent {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// GET /metrics: each sample line as `name{labels}` -> value.
+    pub fn scrape(&self, node: &Netns) -> Result<std::collections::BTreeMap<String, f64>> {
+        let (status, body) = http_get(node, self.metrics, "/metrics")?.context("nothing listens on the metrics address")?;
+        anyhow::ensure!(status == 200, "/metrics answered {status}: {body}");
+        Ok(body
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .filter_map(|l| l.rsplit_once(' '))
+            .filter_map(|(series, value)| Some((series.to_string(), value.parse().ok()?)))
+            .collect())
+    }
+
+    /// SIGKILL and wait: no chance to clean anything up, like an OOM kill.
+    pub fn kill(mut self) -> Result<std::process::ExitStatus> {
+        let mut child = self.child.take().unwrap();
+        child.kill()?;
+        Ok(child.wait()?)
     }
 
     /// SIGTERM and wait: the dataplane stays.
@@ -106,13 +164,19 @@ pub fn healthz_status(node: &Netns, addr: SocketAddr) -> Result<Option<u16>> {
 
 /// Status and body of GET /healthz, None while nothing listens.
 pub fn healthz_get(node: &Netns, addr: SocketAddr) -> Result<Option<(u16, String)>> {
+    http_get(node, addr, "/healthz")
+}
+
+/// Status and body of GET `path` from inside `node`, None while nothing listens.
+pub fn http_get(node: &Netns, addr: SocketAddr, path: &str) -> Result<Option<(u16, String)>> {
+    let path = path.to_string();
     node.run(move || {
         let agent = ureq::Agent::config_builder()
             .timeout_global(Some(Duration::from_secs(2)))
             .http_status_as_error(false)
             .build()
             .new_agent();
-        match agent.get(format!("http://{addr}/healthz")).call() {
+        match agent.get(format!("http://{addr}{path}")).call() {
             Ok(mut resp) => {
                 let status = resp.status().as_u16();
                 let body = resp.body_mut().read_to_string().unwrap_or_default();

@@ -12,6 +12,8 @@ pub mod bpffs;
 pub mod cgroup;
 pub mod demo;
 pub mod echo;
+pub mod fake_api;
+pub mod flows;
 pub mod manifests;
 pub mod netns;
 pub mod topology;

@@ -5,6 +5,7 @@ mod bench;
 mod build;
 mod cargo;
 mod demo;
+mod image;
 mod test;
 
 use std::process::ExitCode;
@@ -26,6 +27,8 @@ enum Command {
     Test(test::Options),
     /// Build the agent and run the demo topology (needs root).
     Demo,
+    /// Build an OCI image archive of the agent (no container engine needed).
+    Image(image::Options),
     /// Benchmarks against kube-proxy's rule sets; writes docs/benchmarks.md (needs root).
     Bench(bench::Options),
 }
@@ -35,6 +38,7 @@ fn main() -> ExitCode {
         Command::Build(opts) => build::run(&opts),
         Command::Test(opts) => test::run(&opts),
         Command::Demo => demo::run(),
+        Command::Image(opts) => image::run(&opts),
         Command::Bench(opts) => bench::run(&opts),
     };
     match result {

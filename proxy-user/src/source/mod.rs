@@ -2,6 +2,7 @@
 //! publishes full snapshots; the model and reconciler never know which source
 //! fed them.
 
+pub mod kube;
 pub mod manifests;
 
 use std::sync::Arc;
@@ -24,4 +25,19 @@ pub trait Source: Send + 'static {
     /// Publishes a snapshot after the first full read and after each change,
     /// until the receiver is gone. Returns only on a fatal error.
     fn run(self, updates: SnapshotSender) -> impl std::future::Future<Output = anyhow::Result<()>> + Send;
+}
+
+/// The source `run` was configured with.
+pub enum Configured {
+    Manifests(manifests::ManifestsSource),
+    Kube(kube::KubeSource),
+}
+
+impl Source for Configured {
+    async fn run(self, updates: SnapshotSender) -> anyhow::Result<()> {
+        match self {
+            Configured::Manifests(s) => s.run(updates).await,
+            Configured::Kube(s) => s.run(updates).await,
+        }
+    }
 }

@@ -1,0 +1,280 @@
+//! healthCheckNodePort servers, as kube-proxy runs them: for every Service
+//! with externalTrafficPolicy=Local and a healthCheckNodePort (LoadBalancer
+//! Services get one), an HTTP server on that port tells the load balancer
+//! whether this node has a ready endpoint of the Service: 200 when it has
+//! (and the proxy is healthy), 503 when not, with kube-proxy's JSON body.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, SocketAddr},
+    sync::{Arc, RwLock},
+};
+
+use axum::{
+    Router,
+    extract::State,
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+use proxy_common::{BACKEND_LOCAL, BACKEND_READY};
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use crate::{
+    health::Health,
+    model::{self, ModelConfig, SERVICE_NAME_LABEL},
+    source::Snapshot,
+};
+
+/// What the server on one healthCheckNodePort answers for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    pub namespace: String,
+    pub name: String,
+    /// This node's ready endpoints of the Service, counted by address (an
+    /// endpoint serving several ports counts once).
+    pub local_endpoints: usize,
+}
+
+/// The health checks the snapshot asks of this node, by port. A port claimed
+/// by two Services (the API forbids it) goes to the first, by namespace/name.
+pub fn wanted(snap: &Snapshot, config: &ModelConfig) -> BTreeMap<u16, Check> {
+    let mut out = BTreeMap::new();
+    let mut services: Vec<_> = snap.services.iter().collect();
+    services.sort_by_key(|s| (s.metadata.namespace.clone(), s.metadata.name.clone()));
+    for svc in services {
+        let Some(spec) = &svc.spec else { continue };
+        if spec.external_traffic_policy.as_deref() != Some("Local") {
+            continue;
+        }
+        let Some(port) = spec.health_check_node_port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0) else {
+            continue;
+        };
+        let namespace = svc.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+        let name = svc.metadata.name.clone().unwrap_or_default();
+        let mut local = BTreeSet::new();
+        for slice in &snap.slices {
+            let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
+            let owner = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL));
+            if ns != namespace || owner != Some(&name) {
+                continue;
+            }
+            for ep in &slice.endpoints {
+                // Ready only: a node with nothing but terminating endpoints must fail the check.
+                let flags = model::endpoint_flags(ep, config);
+                if flags & BACKEND_READY != 0 && flags & BACKEND_LOCAL != 0 {
+                    local.extend(ep.addresses.first().cloned());
+                }
+            }
+        }
+        out.entry(port).or_insert(Check { namespace, name, local_endpoints: local.len() });
+    }
+    out
+}
+
+struct Server {
+    check: Arc<RwLock<Check>>,
+    task: JoinHandle<()>,
+}
+
+/// The running servers, one per port, started and stopped as Services change.
+pub struct HealthCheckServers {
+    bind: IpAddr,
+    health: Health,
+    servers: BTreeMap<u16, Server>,
+}
+
+impl HealthCheckServers {
+    /// `bind`: the address to listen on (kube-proxy listens on every address).
+    pub fn new(bind: IpAddr, health: Health) -> Self {
+        HealthCheckServers { bind, health, servers: BTreeMap::new() }
+    }
+
+    pub fn ports(&self) -> Vec<u16> {
+        self.servers.keys().copied().collect()
+    }
+
+    /// Makes the servers match `wanted`. A port that cannot be bound is
+    /// reported and tried again at the next sync; the others still serve.
+    pub async fn sync(&mut self, wanted: &BTreeMap<u16, Check>) {
+        let gone: Vec<u16> = self.servers.keys().filter(|p| !wanted.contains_key(p)).copied().collect();
+        for port in gone {
+            let server = self.servers.remove(&port).expect("listed above");
+            server.task.abort();
+            let _ = server.task.await;
+            info!(port, "healthCheckNodePort server stopped");
+        }
+        for (port, check) in wanted {
+            if let Some(server) = self.servers.get(port) {
+                *server.check.write().unwrap() = check.clone();
+                continue;
+            }
+            let addr = SocketAddr::new(self.bind, *port);
+            let listener = match tokio::net::TcpListener::bind(addr).await {
+                Ok(l) => l,
+                Err(e) => {
+                    warn!(service = %format!("{}/{}", check.namespace, check.name), %addr, "cannot serve the healthCheckNodePort, will retry: {e}");
+                    continue;
+                }
+            };
+            let shared = Arc::new(RwLock::new(check.clone()));
+            let app = Router::new().fallback(answer).with_state((shared.clone(), self.health.clone()));
+            let task = tokio::spawn(async move {
+                if let Err(e) = axum::serve(listener, app).await {
+                    warn!(%addr, "healthCheckNodePort server stopped: {e}");
+                }
+            });
+            info!(service = %format!("{}/{}", check.namespace, check.name), port, "healthCheckNodePort server started");
+            self.servers.insert(*port, Server { check: shared, task });
+        }
+    }
+}
+
+impl Drop for HealthCheckServers {
+    fn drop(&mut self) {
+        for s in self.servers.values() {
+            s.task.abort();
+        }
+    }
+}
+
+/// kube-proxy's answer, on any path.
+async fn answer(State((check, health)): State<(Arc<RwLock<Check>>, Health)>) -> Response {
+    let check = check.read().unwrap().clone();
+    let proxy_healthy = health.is_healthy();
+    let code = if check.local_endpoints > 0 && proxy_healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = serde_json::json!({
+        "service": {"namespace": check.namespace, "name": check.name},
+        "localEndpoints": check.local_endpoints,
+        "serviceProxyHealthy": proxy_healthy,
+    });
+    let mut resp = (code, body.to_string()).into_response();
+    let headers = resp.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert("X-Content-Type-Options", HeaderValue::from_static("nosniff"));
+    headers.insert("X-Load-Balancing-Endpoint-Weight", HeaderValue::from(check.local_endpoints));
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::{self, Object};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn snapshot(yaml: &str) -> Snapshot {
+        let mut snap = Snapshot::default();
+        for obj in manifest::parse(std::path::Path::new("t.yaml"), yaml).unwrap() {
+            match obj {
+                Object::Service(s) => snap.services.push(*s),
+                Object::EndpointSlice(s) => snap.slices.push(*s),
+                Object::Node(n) => snap.node = Some(*n),
+            }
+        }
+        snap
+    }
+
+    fn services(port: u16) -> String {
+        format!(
+            r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: lb, namespace: shop}}
+spec: {{type: LoadBalancer, clusterIP: 10.96.0.10, externalTrafficPolicy: Local, healthCheckNodePort: {port},
+        ports: [{{name: http, port: 80, nodePort: 30080}}, {{name: https, port: 443, nodePort: 30443}}]}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: cluster, namespace: shop}}
+spec: {{type: LoadBalancer, clusterIP: 10.96.0.11, externalTrafficPolicy: Cluster, healthCheckNodePort: 31999, ports: [{{port: 80}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: lb-1, namespace: shop, labels: {{kubernetes.io/service-name: lb}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}, {{name: https, port: 8443}}]
+endpoints:
+- {{addresses: [10.244.0.1], nodeName: node-a}}
+- {{addresses: [10.244.0.2], nodeName: node-a, conditions: {{ready: false, serving: true, terminating: true}}}}
+- {{addresses: [10.244.0.3], nodeName: node-b}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: lb-2, namespace: shop, labels: {{kubernetes.io/service-name: lb}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}]
+endpoints:
+- {{addresses: [10.244.0.4], nodeName: node-a}}
+- {{addresses: [10.244.0.1], nodeName: node-a}}
+"#
+        )
+    }
+
+    fn cfg(node: &str) -> ModelConfig {
+        ModelConfig { node_name: node.into(), ..Default::default() }
+    }
+
+    #[test]
+    fn one_check_per_local_policy_service_counting_local_ready_addresses() {
+        let snap = snapshot(&services(32000));
+        let want = wanted(&snap, &cfg("node-a"));
+        let check = Check { namespace: "shop".into(), name: "lb".into(), local_endpoints: 2 };
+        assert_eq!(want, BTreeMap::from([(32000, check)]), "eTP=Cluster gets no check; terminating and remote endpoints do not count");
+        assert_eq!(wanted(&snap, &cfg("node-b"))[&32000].local_endpoints, 1);
+        assert_eq!(wanted(&snap, &cfg("node-c"))[&32000].local_endpoints, 0);
+    }
+
+    /// GET over a real socket: (status, headers and body).
+    async fn get(port: u16) -> (u16, String) {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).await.unwrap();
+        let status = text.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (status, text)
+    }
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    }
+
+    #[tokio::test]
+    async fn servers_answer_like_kube_proxy_and_follow_the_services() {
+        let port = free_port();
+        // A zero health timeout: any change not yet programmed makes the proxy unhealthy.
+        let health = Health::with_timeout(std::time::Duration::ZERO);
+        health.sync_succeeded();
+        let mut servers = HealthCheckServers::new([127, 0, 0, 1].into(), health.clone());
+        let snap = snapshot(&services(port));
+
+        servers.sync(&wanted(&snap, &cfg("node-a"))).await;
+        assert_eq!(servers.ports(), [port]);
+        let (status, text) = get(port).await;
+        assert_eq!(status, 200, "{text}");
+        assert!(text.contains("x-load-balancing-endpoint-weight: 2"), "{text}");
+        assert!(text.to_ascii_lowercase().contains("content-type: application/json"), "{text}");
+        let body: serde_json::Value = serde_json::from_str(text.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"service": {"namespace": "shop", "name": "lb"}, "localEndpoints": 2, "serviceProxyHealthy": true})
+        );
+
+        // No local endpoint on this node: 503, same server.
+        servers.sync(&wanted(&snap, &cfg("node-c"))).await;
+        let (status, text) = get(port).await;
+        assert_eq!(status, 503, "{text}");
+        assert!(text.contains(r#""localEndpoints":0"#), "{text}");
+
+        // Local endpoints but the proxy unhealthy (a change it has not programmed): 503 as well.
+        servers.sync(&wanted(&snap, &cfg("node-a"))).await;
+        health.queued_update();
+        let (status, text) = get(port).await;
+        assert_eq!(status, 503, "{text}");
+        assert!(text.contains(r#""serviceProxyHealthy":false"#), "{text}");
+
+        // The Service goes: its port closes.
+        servers.sync(&BTreeMap::new()).await;
+        assert!(servers.ports().is_empty());
+        assert!(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err(), "port {port} still open");
+    }
+}

@@ -1,0 +1,486 @@
+//! Prometheus metrics on `--metrics-bind-address`: sync figures under
+//! kube-proxy's names, what is programmed, skipped objects, and — read from
+//! the pinned maps at each scrape — map fill against capacity and the
+//! datapath's per-CPU packet counters.
+
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use anyhow::Result;
+use axum::{Router, extract::State, http::header, response::IntoResponse, routing::get};
+use chrono::{DateTime, Utc};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric},
+    metrics::{
+        MetricType,
+        counter::{ConstCounter, Counter},
+        family::Family,
+        gauge::{ConstGauge, Gauge},
+        histogram::{Histogram, exponential_buckets},
+    },
+    registry::Registry,
+};
+use proxy_common::{COUNTER_NAMES, Counter as DpCounter};
+
+use crate::{model::ObjectError, source::Snapshot};
+
+/// The EndpointSlice annotation the endpoints controller sets to when the
+/// change it reflects happened (network programming latency starts there).
+pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SkippedLabels {
+    kind: String,
+    reason: String,
+}
+
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    sync_duration: Histogram,
+    programming_latency: Histogram,
+    last_sync: Gauge<f64, std::sync::atomic::AtomicU64>,
+    sync_failures: Counter,
+    services: Gauge,
+    frontends: Gauge,
+    endpoints: Gauge,
+    skipped_now: Family<SkippedLabels, Gauge>,
+    skipped_total: Family<SkippedLabels, Counter>,
+}
+
+/// kube-proxy's buckets for network programming latency (0.25 s .. 5 min).
+fn programming_buckets() -> Vec<f64> {
+    let mut b = vec![0.25, 0.5];
+    b.extend((1..=59).map(f64::from));
+    b.extend((0..12).map(|i| 60.0 + 5.0 * f64::from(i)));
+    b.extend((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
+    b
+}
+
+impl Metrics {
+    /// `bpffs_root`: where the maps scrapes read are pinned.
+    pub fn new(bpffs_root: &Path) -> Metrics {
+        let mut registry = Registry::default();
+        let sync_duration = Histogram::new(exponential_buckets(0.001, 2.0, 15));
+        registry.register(
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds: model, diff and map writes",
+            sync_duration.clone(),
+        );
+        let programming_latency = Histogram::new(programming_buckets());
+        registry.register(
+            "kubeproxy_network_programming_duration_seconds",
+            "In-cluster network programming latency in seconds: from an EndpointSlice's last-change-trigger-time to its change being in the maps",
+            programming_latency.clone(),
+        );
+        let last_sync = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "The last time a sync succeeded, in seconds since the epoch",
+            last_sync.clone(),
+        );
+        let sync_failures = Counter::default();
+        registry.register("ebpf_proxy_sync_failures", "Syncs that failed and were retried", sync_failures.clone());
+        let services = Gauge::default();
+        registry.register("ebpf_proxy_services_programmed", "Service ports (backend sets) in the maps", services.clone());
+        let frontends = Gauge::default();
+        registry.register("ebpf_proxy_frontends_programmed", "Frontends (address, port, protocol) in the maps", frontends.clone());
+        let endpoints = Gauge::default();
+        registry.register("ebpf_proxy_endpoints_programmed", "Distinct backends in the maps", endpoints.clone());
+        let skipped_now = Family::default();
+        registry.register(
+            "ebpf_proxy_invalid_objects",
+            "Problems in the current objects, each skipped, by object kind and reason",
+            skipped_now.clone(),
+        );
+        let skipped_total = Family::default();
+        registry.register(
+            "ebpf_proxy_skipped_objects",
+            "Problems found in objects and skipped, counted when each first appears",
+            skipped_total.clone(),
+        );
+        registry.register_collector(Box::new(Dataplane { root: bpffs_root.to_path_buf() }));
+        Metrics {
+            registry: Arc::new(registry),
+            sync_duration,
+            programming_latency,
+            last_sync,
+            sync_failures,
+            services,
+            frontends,
+            endpoints,
+            skipped_now,
+            skipped_total,
+        }
+    }
+
+    pub fn sync_succeeded(&self, seconds: f64, services: usize, frontends: usize, endpoints: usize) {
+        self.sync_duration.observe(seconds);
+        self.last_sync.set(Utc::now().timestamp_millis() as f64 / 1000.0);
+        self.services.set(services as i64);
+        self.frontends.set(frontends as i64);
+        self.endpoints.set(endpoints as i64);
+    }
+
+    pub fn sync_failed(&self) {
+        self.sync_failures.inc();
+    }
+
+    pub fn programmed_after(&self, seconds: f64) {
+        self.programming_latency.observe(seconds);
+    }
+
+    /// The current skipped problems, and those of them not seen in the previous sync.
+    pub fn skipped(&self, current: &[ObjectError], new: &[&ObjectError]) {
+        self.skipped_now.clear();
+        for e in current {
+            self.skipped_now.get_or_create(&labels(e)).inc();
+        }
+        for e in new {
+            self.skipped_total.get_or_create(&labels(e)).inc();
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}
+
+fn labels(e: &ObjectError) -> SkippedLabels {
+    let (kind, reason) = classify(e);
+    SkippedLabels { kind: kind.into(), reason: reason.into() }
+}
+
+/// A bounded label for a skipped problem: the object's kind and what was
+/// wrong, from the model's message (see the test that checks every message
+/// the model produces has a class).
+pub fn classify(e: &ObjectError) -> (&'static str, &'static str) {
+    let kind = match e.object.split_whitespace().next() {
+        Some("service") => "Service",
+        Some("endpointslice") => "EndpointSlice",
+        Some("node") => "Node",
+        _ => "other",
+    };
+    let r = e.reason.as_str();
+    let reason = if r.contains("invalid IP") || r.contains("invalid endpoint address") {
+        "invalid_ip"
+    } else if r.contains("out of range") {
+        "port_out_of_range"
+    } else if r.contains("unknown protocol") {
+        "unknown_protocol"
+    } else if r.contains("no such service") || r.contains("kubernetes.io/service-name label") {
+        "missing_service"
+    } else if r.contains("duplicate") {
+        "duplicate"
+    } else if r.contains("no spec") {
+        "missing_field"
+    } else {
+        "other"
+    };
+    (kind, reason)
+}
+
+/// Trigger times of EndpointSlice changes not yet programmed. Like
+/// kube-proxy, changes older than the agent's start are not counted: their
+/// latency measures the agent's downtime, not programming.
+pub struct TriggerTimes {
+    start: DateTime<Utc>,
+    seen: BTreeMap<String, DateTime<Utc>>,
+}
+
+impl TriggerTimes {
+    pub fn new(start: DateTime<Utc>) -> Self {
+        TriggerTimes { start, seen: BTreeMap::new() }
+    }
+
+    /// The trigger times in `snap` that are new since the last call.
+    pub fn new_in(&mut self, snap: &Snapshot) -> Vec<DateTime<Utc>> {
+        let mut fresh = Vec::new();
+        let mut seen = BTreeMap::new();
+        for slice in &snap.slices {
+            let Some(t) = slice.metadata.annotations.as_ref().and_then(|a| a.get(TRIGGER_TIME_ANNOTATION)) else {
+                continue;
+            };
+            let Ok(t) = DateTime::parse_from_rfc3339(t).map(|t| t.with_timezone(&Utc)) else { continue };
+            let key = format!(
+                "{}/{}",
+                slice.metadata.namespace.as_deref().unwrap_or(""),
+                slice.metadata.name.as_deref().unwrap_or("")
+            );
+            if t > self.start && self.seen.get(&key) != Some(&t) {
+                fresh.push(t);
+            }
+            seen.insert(key, t);
+        }
+        self.seen = seen;
+        fresh
+    }
+}
+
+/// Scrape-time figures from the pinned maps (opened at each scrape, so a
+/// scrape never holds them and sees them again after a cleanup and restart).
+#[derive(Debug)]
+struct Dataplane {
+    root: PathBuf,
+}
+
+fn open_pinned(root: &Path, name: &str) -> Result<aya::maps::Map> {
+    Ok(aya::maps::Map::from_map_data(aya::maps::MapData::from_pin(root.join(name))?)?)
+}
+
+fn hash_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64> {
+    let map: aya::maps::HashMap<aya::maps::MapData, K, V> = open_pinned(root, name)?.try_into()?;
+    Ok(map.keys().filter(|k| k.is_ok()).count() as u64)
+}
+
+fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64> {
+    let map: aya::maps::LpmTrie<aya::maps::MapData, K, V> = open_pinned(root, name)?.try_into()?;
+    Ok(map.keys().filter(|k| k.is_ok()).count() as u64)
+}
+
+type EntryCounter = fn(&Path, &str) -> Result<u64>;
+
+/// How to count the entries of each pinned map: by its key and value types.
+const ENTRY_COUNTERS: [(&str, EntryCounter); 13] = {
+    use proxy_common::*;
+    [
+        (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>),
+        (MAP_BACKEND_SLOTS, hash_entries::<SlotKey, u32>),
+        (MAP_BACKENDS, hash_entries::<u32, Backend>),
+        (MAP_CONNTRACK, hash_entries::<CtKey, CtEntry>),
+        (MAP_SERVICE_NAMES, hash_entries::<u32, ServiceName>),
+        (MAP_SNAT, hash_entries::<CtKey, SnatEntry>),
+        (MAP_SNAT_ADDRS, hash_entries::<u32, Addr>),
+        (MAP_AFFINITY, hash_entries::<AffinityKey, AffinityEntry>),
+        (MAP_SOCK_REVNAT, hash_entries::<SockRevKey, FrontendKey>),
+        (MAP_CLUSTER_CIDRS, trie_entries::<CidrData, u8>),
+        (MAP_SERVICE_CIDRS, trie_entries::<CidrData, u8>),
+        (MAP_SOURCE_RANGES, trie_entries::<SourceRangeData, u8>),
+        // An array: every slot exists.
+        (MAP_COUNTERS, |_, _| Ok(u64::from(MAX_COUNTERS))),
+    ]
+};
+
+/// (map, entries, capacity) for every pinned map under `root`; entries are
+/// `None` for a map this build cannot count. Hash maps are counted key by
+/// key: a scrape of a full conntrack costs milliseconds, never the datapath.
+pub fn map_fill(root: &Path) -> Result<Vec<(&'static str, Option<u64>, u64)>> {
+    crate::maps::PINNED_MAPS
+        .iter()
+        .map(|name| {
+            let info = aya::maps::MapInfo::from_pin(root.join(name))?;
+            let counter = ENTRY_COUNTERS.iter().find(|(n, _)| n == name).map(|(_, c)| c);
+            let entries = counter.map(|count| count(root, name)).transpose()?;
+            Ok((*name, entries, u64::from(info.max_entries())))
+        })
+        .collect()
+}
+
+/// Per-CPU counters summed, indexed like `COUNTER_NAMES`.
+fn read_counters(root: &Path) -> Result<Vec<u64>> {
+    let map: aya::maps::PerCpuArray<aya::maps::MapData, u64> = open_pinned(root, proxy_common::MAP_COUNTERS)?.try_into()?;
+    (0..proxy_common::MAX_COUNTERS).map(|i| Ok(map.get(&i, 0)?.iter().sum())).collect()
+}
+
+/// A datapath counter as (verdict, reason). Every counter names its reason;
+/// the verdict says what happened to the packet.
+fn verdict_of(index: usize) -> (&'static str, &'static str) {
+    use DpCounter::*;
+    let verdict = match index {
+        i if i == Passed as usize || i == Malformed as usize || i == Fragment as usize => "passed",
+        i if i == Rejected as usize => "rejected",
+        i if [NoBackend, CtFull, RewriteFailed, DropUnallocated, DropSourceRange, DropNoLocal, RejectFailed]
+            .iter()
+            .any(|c| *c as usize == i) =>
+        {
+            "dropped"
+        }
+        // NewFlow, Established, Reply, Rebalanced, Masqueraded, SnatFailed, AffinityHit:
+        // the packet was translated (SnatFailed: without masquerade).
+        _ => "translated",
+    };
+    (verdict, COUNTER_NAMES[index])
+}
+
+impl Collector for Dataplane {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        if !self.root.exists() {
+            return Ok(()); // nothing pinned yet, or cleaned up: no figures rather than invented ones
+        }
+        let fill = match map_fill(&self.root) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!("metrics: cannot read the pinned maps: {e:#}");
+                return Ok(());
+            }
+        };
+        let mut enc = encoder.encode_descriptor("ebpf_proxy_map_entries", "Entries in each pinned BPF map", None, MetricType::Gauge)?;
+        for (map, entries, _) in &fill {
+            if let Some(n) = entries {
+                ConstGauge::new(*n as i64).encode(enc.encode_family(&[("map", *map)])?)?;
+            }
+        }
+        let mut enc = encoder.encode_descriptor("ebpf_proxy_map_capacity", "Maximum entries of each pinned BPF map", None, MetricType::Gauge)?;
+        for (map, _, cap) in &fill {
+            ConstGauge::new(*cap as i64).encode(enc.encode_family(&[("map", *map)])?)?;
+        }
+        let counters = match read_counters(&self.root) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("metrics: cannot read the packet counters: {e:#}");
+                return Ok(());
+            }
+        };
+        let mut enc = encoder.encode_descriptor(
+            "ebpf_proxy_packets",
+            "Packets seen by the datapath (summed over CPUs), by verdict and its reason",
+            None,
+            MetricType::Counter,
+        )?;
+        for (i, value) in counters.iter().enumerate() {
+            let (verdict, reason) = verdict_of(i);
+            let labels = [("verdict", verdict), ("reason", reason)];
+            ConstCounter::new(*value).encode(enc.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+async fn scrape(State(m): State<Metrics>) -> impl IntoResponse {
+    let body = tokio::task::spawn_blocking(move || m.encode()).await.unwrap_or_default();
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body)
+}
+
+/// Binds now (so a taken port fails the start), serves in the background.
+pub async fn serve(addr: SocketAddr, metrics: Metrics) -> Result<tokio::task::JoinHandle<()>> {
+    let app = Router::new().route("/metrics", get(scrape)).with_state(metrics);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("--metrics-bind-address {addr}: {e}"))?;
+    Ok(tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!("metrics server stopped: {e}");
+        }
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        manifest::{self, Object},
+        model::{self, ModelConfig},
+    };
+
+    fn snapshot(yaml: &str) -> Snapshot {
+        let mut snap = Snapshot::default();
+        for obj in manifest::parse(Path::new("t.yaml"), yaml).unwrap() {
+            match obj {
+                Object::Service(s) => snap.services.push(*s),
+                Object::EndpointSlice(s) => snap.slices.push(*s),
+                Object::Node(n) => snap.node = Some(*n),
+            }
+        }
+        snap
+    }
+
+    const BAD: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: badip, namespace: a}
+spec: {clusterIP: 10.96.300.1, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: a}
+spec: {clusterIP: 10.96.0.7, ports: [{name: a, port: 70000}, {name: b, port: 81, protocol: ICMP}, {name: c, port: 82}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: a, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: c, port: 8080}]
+endpoints: [{addresses: [10.244.0.300]}, {addresses: [10.244.0.3]}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-2, namespace: a, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: c, port: 8080}]
+endpoints: [{addresses: [10.244.0.3]}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: orphan, namespace: a, labels: {kubernetes.io/service-name: gone}}
+addressType: IPv4
+endpoints: []
+"#;
+
+    #[test]
+    fn every_problem_the_model_reports_has_a_class_and_is_counted() {
+        let (_, errors) = model::build(&snapshot(BAD), &ModelConfig { node_name: "n".into(), ..Default::default() });
+        assert!(errors.len() >= 5, "{errors:?}");
+        for e in &errors {
+            assert_ne!(classify(e).1, "other", "unclassified: {e}");
+        }
+        let m = Metrics::new(Path::new("/nonexistent"));
+        let all: Vec<&ObjectError> = errors.iter().collect();
+        m.skipped(&errors, &all);
+        m.skipped(&errors, &[]);
+        let text = m.encode();
+        let line = |needle: &str| text.lines().find(|l| l.starts_with(needle)).map(str::to_string);
+        assert_eq!(
+            line(r#"ebpf_proxy_skipped_objects_total{kind="Service",reason="port_out_of_range"}"#).as_deref(),
+            Some(r#"ebpf_proxy_skipped_objects_total{kind="Service",reason="port_out_of_range"} 1"#),
+            "{text}"
+        );
+        assert!(line(r#"ebpf_proxy_invalid_objects{kind="EndpointSlice",reason="invalid_ip"} 1"#).is_some(), "{text}");
+        assert!(line(r#"ebpf_proxy_invalid_objects{kind="Service",reason="unknown_protocol"} 1"#).is_some(), "{text}");
+        assert!(line(r#"ebpf_proxy_invalid_objects{kind="EndpointSlice",reason="missing_service"} 1"#).is_some(), "{text}");
+        assert!(line(r#"ebpf_proxy_invalid_objects{kind="EndpointSlice",reason="duplicate"} 1"#).is_some(), "{text}");
+        // Without pinned maps, the dataplane figures are absent, not invented.
+        assert!(!text.contains("ebpf_proxy_map_entries"), "{text}");
+    }
+
+    #[test]
+    fn programming_latency_counts_each_change_after_start_once() {
+        let start = DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z").unwrap().with_timezone(&Utc);
+        let slice = |name: &str, t: &str| {
+            format!(
+                "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}, namespace: a, annotations: {{{TRIGGER_TIME_ANNOTATION}: '{t}'}}}}\naddressType: IPv4\nendpoints: []\n---\n"
+            )
+        };
+        let mut tt = TriggerTimes::new(start);
+        let snap = snapshot(&(slice("old", "2025-12-31T23:59:00Z") + &slice("new", "2026-01-01T00:00:05Z")));
+        assert_eq!(tt.new_in(&snap).len(), 1, "only the change after start");
+        assert!(tt.new_in(&snap).is_empty(), "the same change is not counted twice");
+        let snap = snapshot(&(slice("old", "2026-01-01T00:00:09Z") + &slice("new", "2026-01-01T00:00:05Z")));
+        assert_eq!(tt.new_in(&snap).len(), 1);
+    }
+
+    #[test]
+    fn every_pinned_map_is_counted() {
+        let counted: Vec<&str> = ENTRY_COUNTERS.iter().map(|(n, _)| *n).collect();
+        for map in crate::maps::PINNED_MAPS {
+            assert!(counted.contains(&map), "no entry counter for pinned map {map}");
+        }
+    }
+
+    #[test]
+    fn verdicts_cover_every_counter() {
+        assert_eq!(verdict_of(DpCounter::NoBackend as usize), ("dropped", "no_backend"));
+        assert_eq!(verdict_of(DpCounter::DropNoLocal as usize), ("dropped", "drop_no_local"));
+        assert_eq!(verdict_of(DpCounter::Rejected as usize), ("rejected", "rejected"));
+        assert_eq!(verdict_of(DpCounter::NewFlow as usize), ("translated", "new_flow"));
+        assert_eq!(verdict_of(DpCounter::Fragment as usize), ("passed", "fragment"));
+        let verdicts: std::collections::BTreeSet<_> = (0..COUNTER_NAMES.len()).map(|i| verdict_of(i).0).collect();
+        assert_eq!(verdicts.len(), 4, "{verdicts:?}");
+    }
+}

@@ -1,0 +1,245 @@
+//! The Kubernetes API source: kube-rs watchers on Services, EndpointSlices
+//! and this node's Node, with kube-proxy's selectors. Each watcher keeps its
+//! own store; a snapshot of the three is published once every store has had
+//! its first complete list, and again after each change. A watch that expires
+//! (410 Gone) makes the watcher relist, and the relist replaces its store, so
+//! objects deleted meanwhile go away.
+
+use std::{collections::BTreeMap, path::Path, sync::Arc};
+
+use anyhow::{Context, Result};
+use futures::{Stream, StreamExt};
+use k8s_openapi::{
+    api::{
+        core::v1::{Node, NodeSpec, Service},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
+use kube::{
+    Api, Client, Config, Resource, ResourceExt,
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{WatchStreamExt, watcher},
+};
+use tracing::{debug, info, warn};
+
+use super::{Snapshot, SnapshotSender, Source};
+
+/// kube-proxy's selector for Services and EndpointSlices
+/// (cmd/kube-proxy/app/server.go): nothing another proxy owns
+/// (`service.kubernetes.io/service-proxy-name`), and no slices of headless
+/// Services (`service.kubernetes.io/headless`).
+pub const PROXY_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+
+/// A client from `--kubeconfig FILE`, or from the in-cluster service account
+/// when no file is given.
+pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path).with_context(|| format!("--kubeconfig {}", path.display()))?;
+            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("--kubeconfig {}", path.display()))?
+        }
+        None => Config::incluster().context(
+            "no --manifests or --kubeconfig given, and the in-cluster configuration is unusable \
+             (KUBERNETES_SERVICE_HOST/PORT and the service account token are needed)",
+        )?,
+    };
+    Client::try_from(config).context("create the Kubernetes client")
+}
+
+pub struct KubeSource {
+    client: Client,
+    node_name: String,
+}
+
+impl KubeSource {
+    pub fn new(client: Client, node_name: String) -> Self {
+        KubeSource { client, node_name }
+    }
+}
+
+/// One resource's objects by `namespace/name`, as its watcher last reported them.
+struct Store<K> {
+    objects: BTreeMap<String, K>,
+    /// Objects of a relist in progress; they replace `objects` when it completes.
+    relisting: Option<BTreeMap<String, K>>,
+    /// Whether a complete list has arrived.
+    listed: bool,
+}
+
+impl<K: Resource + Clone> Store<K> {
+    fn new() -> Self {
+        Store { objects: BTreeMap::new(), relisting: None, listed: false }
+    }
+
+    /// Applies one watcher event; returns whether the served objects changed.
+    fn apply(&mut self, event: watcher::Event<K>) -> bool {
+        match event {
+            watcher::Event::Apply(obj) => {
+                self.objects.insert(key(&obj), trim(obj));
+                self.listed
+            }
+            watcher::Event::Delete(obj) => self.objects.remove(&key(&obj)).is_some() && self.listed,
+            watcher::Event::Init => {
+                self.relisting = Some(BTreeMap::new());
+                false
+            }
+            watcher::Event::InitApply(obj) => {
+                self.relisting.get_or_insert_default().insert(key(&obj), trim(obj));
+                false
+            }
+            watcher::Event::InitDone => {
+                self.objects = self.relisting.take().unwrap_or_default();
+                self.listed = true;
+                true
+            }
+        }
+    }
+}
+
+fn key<K: Resource>(obj: &K) -> String {
+    format!("{}/{}", obj.meta().namespace.as_deref().unwrap_or(""), obj.meta().name.as_deref().unwrap_or(""))
+}
+
+/// Managed fields are large and never read; dropping them keeps memory to what the model uses.
+fn trim<K: Resource>(mut obj: K) -> K {
+    obj.meta_mut().managed_fields = None;
+    obj
+}
+
+/// Only the Node's name and labels (the zone, for topology) and whether it is
+/// going away (deletion, the autoscaler's taint, for /healthz) matter; the
+/// rest changes with every status heartbeat and must not cause a sync.
+fn node_identity(node: Node) -> Node {
+    let taints = node.spec.and_then(|s| s.taints).map(|t| {
+        t.into_iter().filter(|t| t.key == crate::health::TO_BE_DELETED_TAINT).collect::<Vec<_>>()
+    });
+    Node {
+        metadata: ObjectMeta {
+            name: node.metadata.name,
+            labels: node.metadata.labels,
+            deletion_timestamp: node.metadata.deletion_timestamp,
+            ..Default::default()
+        },
+        spec: Some(NodeSpec { taints: taints.filter(|t| !t.is_empty()), ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+/// A watcher stream that retries with kube-rs's default backoff; its errors
+/// (expired watches, API outages) are reported and the stream goes on.
+fn watch<K>(api: Api<K>, config: watcher::Config) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
+where
+    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+{
+    watcher(api, config).default_backoff()
+}
+
+impl Source for KubeSource {
+    async fn run(self, updates: SnapshotSender) -> Result<()> {
+        let selector = watcher::Config::default().labels(PROXY_LABEL_SELECTOR);
+        let node_selector = watcher::Config::default().fields(&format!("metadata.name={}", self.node_name));
+        match Api::<Node>::all(self.client.clone()).get_opt(&self.node_name).await {
+            Ok(Some(_)) => {}
+            Ok(None) => warn!(
+                node = %self.node_name,
+                "no Node of this name in the API (check --node-name); serving without its zone until it appears"
+            ),
+            Err(e) => warn!(node = %self.node_name, "cannot read this node's Node object, will keep watching: {e}"),
+        }
+        let mut services = Box::pin(watch(Api::<Service>::all(self.client.clone()), selector.clone()));
+        let mut slices = Box::pin(watch(Api::<EndpointSlice>::all(self.client.clone()), selector));
+        let mut nodes = Box::pin(watch(Api::<Node>::all(self.client.clone()), node_selector));
+
+        let mut service_store = Store::<Service>::new();
+        let mut slice_store = Store::<EndpointSlice>::new();
+        let mut node_store = Store::<Node>::new();
+        let mut node_seen: Option<Node> = None;
+        let mut published = false;
+        loop {
+            let changed = tokio::select! {
+                ev = services.next() => handle("services", ev, &mut service_store)?,
+                ev = slices.next() => handle("endpointslices", ev, &mut slice_store)?,
+                ev = nodes.next() => {
+                    handle("nodes", ev, &mut node_store)?;
+                    let node = node_store.objects.values().next().cloned().map(node_identity);
+                    let changed = node_store.listed && (node != node_seen || !published);
+                    node_seen = node;
+                    changed
+                }
+                _ = updates.closed() => return Ok(()),
+            };
+            let ready = service_store.listed && slice_store.listed && node_store.listed;
+            if !(changed && ready) {
+                continue;
+            }
+            let snap = Snapshot {
+                services: service_store.objects.values().cloned().collect(),
+                slices: slice_store.objects.values().cloned().collect(),
+                node: node_seen.clone(),
+            };
+            if !published {
+                info!(
+                    services = snap.services.len(),
+                    endpointslices = snap.slices.len(),
+                    node_found = snap.node.is_some(),
+                    "initial list from the Kubernetes API complete"
+                );
+                published = true;
+            }
+            updates.send_replace(Some(Arc::new(snap)));
+        }
+    }
+}
+
+/// One item of a watcher stream into its store; whether the store changed.
+fn handle<K: Resource + Clone + ResourceExt>(
+    what: &str,
+    item: Option<Result<watcher::Event<K>, watcher::Error>>,
+    store: &mut Store<K>,
+) -> Result<bool> {
+    match item {
+        Some(Ok(ev)) => {
+            if let watcher::Event::Apply(o) | watcher::Event::Delete(o) = &ev {
+                debug!(resource = what, object = %key(o), "watch event");
+            }
+            Ok(store.apply(ev))
+        }
+        Some(Err(e)) => {
+            // The watcher relists or rewatches by itself, after a backoff;
+            // what is served stays as it is meanwhile.
+            warn!(resource = what, "watch interrupted, resuming: {e}");
+            Ok(false)
+        }
+        None => anyhow::bail!("the {what} watch ended"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn svc(name: &str) -> Service {
+        Service { metadata: ObjectMeta { name: Some(name.into()), namespace: Some("a".into()), ..Default::default() }, ..Default::default() }
+    }
+
+    #[test]
+    fn relist_replaces_the_store_and_nothing_is_served_before_the_first_list() {
+        let mut st = Store::new();
+        assert!(!st.apply(watcher::Event::Init));
+        assert!(!st.apply(watcher::Event::InitApply(svc("x"))));
+        assert!(!st.listed);
+        assert!(st.apply(watcher::Event::InitDone));
+        assert!(st.apply(watcher::Event::Apply(svc("y"))));
+        // A relist that no longer has x: x goes, y stays served until the relist ends.
+        assert!(!st.apply(watcher::Event::Init));
+        assert!(!st.apply(watcher::Event::InitApply(svc("y"))));
+        assert_eq!(st.objects.len(), 2);
+        assert!(st.apply(watcher::Event::InitDone));
+        assert_eq!(st.objects.keys().collect::<Vec<_>>(), ["a/y"]);
+        assert!(st.apply(watcher::Event::Delete(svc("y"))));
+        assert!(!st.apply(watcher::Event::Delete(svc("y"))), "deleting what is gone changes nothing");
+    }
+}

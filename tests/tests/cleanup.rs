@@ -1,0 +1,144 @@
+//! `ebpf-proxy cleanup` refuses while the agent runs; after it stopped
+//! (having attached to several veths): no TCX
+//! program of ours on any interface, no qdisc of ours, no pinned path, our
+//! programs and maps gone from the kernel; what others installed (a clsact
+//! qdisc, a directory on the bpffs, even inside our root) stays; a second
+//! run is a no-op that says so.
+
+use std::{collections::BTreeSet, ffi::CString, net::Ipv4Addr, path::Path, time::Duration};
+
+use anyhow::{Context, Result};
+use aya::{
+    maps::{MapData, loaded_maps},
+    programs::{SchedClassifier, TcAttachType, loaded_programs},
+};
+use proxy_tests::{
+    agent::{Agent, agent_bin, wait_until},
+    bpffs::Bpffs,
+    is_root,
+    manifests::echo_service,
+    netns::Netns,
+};
+use proxy_user::{attach::HOOKS, maps::PINNED_MAPS};
+
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+
+/// Every interface of the namespace, by name.
+fn interfaces(ns: &Netns) -> Result<Vec<String>> {
+    let out = ns.ip(&["-o", "link", "show"])?;
+    Ok(out
+        .lines()
+        .filter_map(|l| l.split(": ").nth(1))
+        .map(|name| name.split('@').next().unwrap().to_string())
+        .collect())
+}
+
+/// IDs of the TCX programs on `ifname`, ingress and egress.
+fn tcx_programs(ns: &Netns, ifname: &str) -> Result<Vec<u32>> {
+    let name = CString::new(ifname)?;
+    ns.run(move || -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        for hook in [TcAttachType::Ingress, TcAttachType::Egress] {
+            let (_, progs) = SchedClassifier::query_tcx(name.as_c_str(), hook)?;
+            ids.extend(progs.iter().map(|p| p.id()));
+        }
+        Ok(ids)
+    })?
+    .with_context(|| format!("query TCX on {ifname}"))
+}
+
+fn qdiscs(ns: &Netns, ifname: &str) -> Result<String> {
+    let out = ns.command("tc").args(["qdisc", "show", "dev", ifname]).output()?;
+    anyhow::ensure!(out.status.success(), "tc qdisc show dev {ifname}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+fn cleanup(root: &Path) -> Result<String> {
+    let out = std::process::Command::new(agent_bin()).args(["cleanup", "--bpffs-root"]).arg(root).output()?;
+    anyhow::ensure!(out.status.success(), "cleanup: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+#[test]
+fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
+    assert!(is_root(), "needs root (network namespaces and BPF)");
+    let mut node = proxy_tests::topology::Node::new("clean")?;
+    let pods: Vec<_> = (0..3u8).map(|i| node.add_pod(&format!("p{i}"), Ipv4Addr::new(10, 244, 0, 10 + i))).collect::<Result<_>>()?;
+    // Someone else's: a clsact qdisc on one veth and a directory on the bpffs.
+    node.ns.command("tc").args(["qdisc", "add", "dev", &pods[0].host_if, "clsact"]).status()?;
+    let foreign_qdisc = qdiscs(&node.ns, &pods[0].host_if)?;
+    assert!(foreign_qdisc.contains("clsact"), "{foreign_qdisc}");
+    let bpffs = Bpffs::new("clean")?;
+    let other = bpffs.path().join("other-tool");
+    std::fs::create_dir(&other)?;
+
+    let root = bpffs.path().join("agent");
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("echo.yaml"), echo_service("demo", "echo", CLUSTER_IP, &[pods[1].ip, pods[2].ip]))?;
+    let mut agent = Agent::start(&node.ns, dir.path(), &root, &[])?;
+    agent.wait_healthy(&node.ns, Duration::from_secs(10))?;
+
+    // What the agent installed: a program on each hook of every veth, its
+    // pinned maps, one pinned link per program attached.
+    let mut programs = BTreeSet::new();
+    let mut attached = 0;
+    for p in &pods {
+        let ids = tcx_programs(&node.ns, &p.host_if)?;
+        assert_eq!(ids.len(), HOOKS.len(), "our programs on {}: {ids:?}", p.host_if);
+        attached += ids.len();
+        programs.extend(ids);
+    }
+    let link_pins = std::fs::read_dir(root.join("links"))?.count();
+    assert!(link_pins >= attached, "{link_pins} link pins for {attached} attachments");
+    let maps: BTreeSet<u32> = PINNED_MAPS
+        .iter()
+        .map(|m| Ok(MapData::from_pin(root.join(m))?.info()?.id()))
+        .collect::<Result<_>>()?;
+    // While the agent runs it holds its links: cleanup refuses and touches nothing.
+    let out = std::process::Command::new(agent_bin()).args(["cleanup", "--bpffs-root"]).arg(&root).output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "cleanup with the agent running: {err}");
+    assert!(err.contains("ebpf-proxy (pid ") && err.contains("stop the agent first (nothing was removed)"), "{err}");
+    assert_eq!(std::fs::read_dir(root.join("links"))?.count(), link_pins, "pins after the refused cleanup");
+    for p in &pods {
+        assert_eq!(tcx_programs(&node.ns, &p.host_if)?.len(), HOOKS.len(), "programs on {} after the refused cleanup", p.host_if);
+    }
+    agent.stop()?;
+
+    let said = cleanup(&root)?;
+    let pins = link_pins + PINNED_MAPS.len();
+    assert!(said.contains(&format!("removed {pins} pinned objects under {}", root.display())), "{said}");
+    assert!(said.contains(&format!("released {link_pins} program links")), "{said}");
+
+    assert!(!root.exists(), "{} still exists", root.display());
+    let all = interfaces(&node.ns)?;
+    assert!(all.len() > pods.len() && all.contains(&"lo".to_string()), "interfaces: {all:?}");
+    for ifname in all {
+        assert_eq!(tcx_programs(&node.ns, &ifname)?, Vec::<u32>::new(), "TCX programs left on {ifname}");
+        let q = qdiscs(&node.ns, &ifname)?;
+        if ifname == pods[0].host_if {
+            assert_eq!(q, foreign_qdisc, "someone else's clsact qdisc on {ifname} was touched");
+        } else {
+            assert!(!q.contains("clsact") && !q.contains("ingress"), "a qdisc on {ifname}: {q}");
+        }
+    }
+    assert!(other.is_dir(), "someone else's {} was removed", other.display());
+    // With the pins gone nothing holds our programs and maps: the kernel frees them.
+    wait_until("our programs and maps freed by the kernel", Duration::from_secs(10), || {
+        let progs_left = loaded_programs().filter_map(Result::ok).any(|p| programs.contains(&p.id()));
+        let maps_left = loaded_maps().filter_map(Result::ok).any(|m| maps.contains(&m.id()));
+        Ok(!progs_left && !maps_left)
+    })?;
+
+    // Again: nothing to do, and it says so.
+    let said = cleanup(&root)?;
+    assert_eq!(said.trim(), format!("nothing to clean: {} does not exist", root.display()));
+
+    // Something that is not ours inside the directory stays, and is named.
+    let foreign = root.join("operator-notes");
+    std::fs::create_dir_all(&foreign)?;
+    let said = cleanup(&root)?;
+    assert!(said.contains("nothing of ours") && said.contains("left in place") && said.contains("operator-notes"), "{said}");
+    assert!(foreign.is_dir());
+    Ok(())
+}
