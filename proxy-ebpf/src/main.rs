@@ -19,6 +19,8 @@ mod parse;
 #[cfg(target_arch = "bpf")]
 mod reject;
 #[cfg(target_arch = "bpf")]
+mod sctp;
+#[cfg(target_arch = "bpf")]
 mod skb;
 #[cfg(target_arch = "bpf")]
 mod sock;

@@ -7,9 +7,9 @@ use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     programs::TcContext,
 };
-use proxy_common::Addr;
+use proxy_common::{Addr, IPPROTO_SCTP, IPPROTO_UDP};
 
-use crate::parse::Packet;
+use crate::{parse::Packet, sctp};
 
 const IP_CSUM_OFF: usize = 10;
 const IP_SRC_OFF: usize = 12;
@@ -40,15 +40,22 @@ fn rewrite(
     new_port: u16,
 ) -> Result<(), i64> {
     // UDP over IPv4 may carry no checksum (0): MANGLED_0 keeps it that way.
-    let l4_flags = if pkt.is_udp { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
+    let l4_flags = if pkt.proto == IPPROTO_UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
+    let is_sctp = pkt.proto == IPPROTO_SCTP;
     let old_ip = u32::from_ne_bytes(old_addr.v4_octets());
     let new_ip = u32::from_ne_bytes(new_addr.v4_octets());
     if old_ip != new_ip {
-        ctx.l4_csum_replace(pkt.l4_csum_off, old_ip as u64, new_ip as u64, l4_flags | BPF_F_PSEUDO_HDR as u64 | 4)?;
+        // SCTP's CRC32c has no pseudo-header: an address change leaves it alone.
+        if !is_sctp {
+            ctx.l4_csum_replace(pkt.l4_csum_off, old_ip as u64, new_ip as u64, l4_flags | BPF_F_PSEUDO_HDR as u64 | 4)?;
+        }
         ctx.l3_csum_replace(pkt.l3_off + IP_CSUM_OFF, old_ip as u64, new_ip as u64, 4)?;
         ctx.store(pkt.l3_off + ip_field, &new_addr.v4_octets(), 0)?;
     }
     if old_port != new_port {
+        if is_sctp {
+            return sctp::rewrite_port(ctx, pkt, port_field, old_port, new_port);
+        }
         ctx.l4_csum_replace(pkt.l4_csum_off, old_port as u64, new_port as u64, l4_flags | 2)?;
         ctx.store(pkt.l4_off + port_field, &new_port, 0)?;
     }

@@ -1,8 +1,8 @@
 //! Header parsing with bounds checks. Anything we cannot fully read — short,
-//! malformed, fragmented, not IPv4 TCP/UDP — is reported, never guessed at.
+//! malformed, fragmented, not IPv4 TCP/UDP/SCTP — is reported, never guessed at.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Addr, Counter, CtKey, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
@@ -15,9 +15,15 @@ pub struct Packet {
     pub l3_off: usize,
     pub l4_off: usize,
     pub l4_csum_off: usize,
-    pub is_udp: bool,
+    /// End of the IP datagram (Ethernet padding may follow): SCTP's CRC
+    /// covers everything from `l4_off` to here.
+    pub l4_end: usize,
+    pub proto: u8,
 }
 
+// Inlined: as a subprogram its stack frame would add to tc_egress's, past
+// the kernel's 512 bytes.
+#[inline(always)]
 pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
     let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| Counter::Malformed)?);
     if ethertype != ETH_P_IP {
@@ -43,6 +49,7 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
     let (l4_hlen, csum_field) = match proto {
         IPPROTO_TCP => (20, 16),
         IPPROTO_UDP => (8, 6),
+        IPPROTO_SCTP => (crate::sctp::COMMON_HEADER_LEN, crate::sctp::CHECKSUM_OFF),
         _ => return Err(Counter::Passed),
     };
     let l4_off = l3_off + ihl;
@@ -65,6 +72,7 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
         l3_off,
         l4_off,
         l4_csum_off: l4_off + csum_field,
-        is_udp: proto == IPPROTO_UDP,
+        l4_end: l3_off + total_len,
+        proto,
     })
 }

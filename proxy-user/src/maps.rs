@@ -64,7 +64,7 @@ pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(root)
         .load(BPF_OBJECT)
-        .map_err(|e| anyhow::anyhow!("loading the BPF programs failed (is this process allowed to use BPF? CAP_BPF and CAP_NET_ADMIN are needed): {e}"))?;
+        .context("loading the BPF programs failed (is this process allowed to use BPF? CAP_BPF and CAP_NET_ADMIN are needed)")?;
     let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the BPF object"));
     let maps = Maps {
         frontends: take(MAP_FRONTENDS)?.try_into()?,

@@ -224,9 +224,6 @@ fn build_service(svc: &Service, slices: &[&EndpointSlice], config: &ModelConfig,
             ctx.skip(format!("spec.ports[{i}]: unknown protocol {:?}; port skipped", port.protocol));
             continue;
         };
-        if proto == IPPROTO_SCTP {
-            continue; // SCTP translation is not in the datapath yet
-        }
         let Some(port_num) = port_number(port.port) else {
             ctx.skip(format!("spec.ports[{i}].port: {} out of range; port skipped", port.port));
             continue;
@@ -626,6 +623,41 @@ spec: {clusterIP: 10.96.0.7, ports: [{name: a, port: 70000}, {name: b, port: 81,
         assert!(text.iter().any(|e| e.starts_with("service a/bad:") && e.contains("10.96.300.1")), "{text:?}");
         assert!(text.iter().any(|e| e.contains("a/badport") && e.contains("70000")), "{text:?}");
         assert!(text.iter().any(|e| e.contains("a/badport") && e.contains("ICMP")), "{text:?}");
+    }
+
+    #[test]
+    fn sctp_ports_get_frontends_and_sctp_endpoints() {
+        // Same port name and number for TCP and SCTP: each protocol keeps its own endpoints.
+        let yaml = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: sig, namespace: tel}
+spec:
+  clusterIP: 10.96.0.30
+  ports:
+  - {name: m3ua, port: 2905, targetPort: 3905, protocol: SCTP}
+  - {name: web, port: 2905, targetPort: 8080}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: sig-1, namespace: tel, labels: {kubernetes.io/service-name: sig}}
+addressType: IPv4
+ports: [{name: m3ua, port: 3905, protocol: SCTP}, {name: web, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: [10.244.0.21]}
+"#;
+        let (state, errors) = build(&snapshot(yaml), &cfg());
+        assert!(errors.is_empty(), "{errors:?}");
+        let addr = Addr::from("10.96.0.30".parse::<IpAddr>().unwrap());
+        let sctp = FrontendKey { addr, port: 2905u16.to_be(), proto: IPPROTO_SCTP, scope: SCOPE_INTERNAL };
+        assert_eq!(state.frontends[&sctp].set.service.to_string(), "tel/sig:m3ua");
+        // Every frontend (each scope) the TCP port gets, the SCTP port gets too.
+        let of = |proto| state.frontends.iter().filter(move |(k, _)| k.proto == proto);
+        assert_eq!(of(IPPROTO_SCTP).count(), of(IPPROTO_TCP).count());
+        assert!(of(IPPROTO_SCTP).all(|(_, f)| f.set.service.to_string() == "tel/sig:m3ua"));
+        let set = &state.backend_sets[&state.frontends[&sctp].set];
+        let got: Vec<(String, u16, u8)> = set.iter().map(|b| (b.addr.to_string(), b.port, b.proto)).collect();
+        assert_eq!(got, [("10.244.0.21".to_string(), 3905, IPPROTO_SCTP)]);
     }
 
     #[test]

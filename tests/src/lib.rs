@@ -13,9 +13,12 @@ pub mod cgroup;
 pub mod demo;
 pub mod echo;
 pub mod fake_api;
+pub mod fixture;
 pub mod flows;
 pub mod manifests;
 pub mod netns;
+pub mod sctp;
+pub mod sctp_bench;
 pub mod topology;
 
 /// A short random suffix: interface names are limited to 15 bytes.

@@ -105,7 +105,7 @@ impl Node {
     }
 }
 
-fn mac_of(ns: &Netns, ifname: &str) -> Result<String> {
+pub fn mac_of(ns: &Netns, ifname: &str) -> Result<String> {
     let out = ns.ip(&["-o", "link", "show", "dev", ifname])?;
     out.split_whitespace()
         .skip_while(|w| *w != "link/ether")

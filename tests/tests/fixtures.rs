@@ -9,29 +9,16 @@
 //!
 //! Run with `-- --nocapture` to see the result tables. Needs root (BPF).
 
-use std::fmt::Write as _;
-
-use aya::{
-    Ebpf,
-    programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
-};
 use etherparse::{
     IpHeaders, IpNumber, Ipv4Header, Ipv4Options, NetHeaders, PacketBuilder, PacketHeaders, TcpHeader,
     TransportHeader, icmpv4::DestUnreachableHeader, Icmpv4Type,
 };
 use proxy_common::*;
-use proxy_tests::{bpffs::Bpffs, is_root};
-use proxy_user::{
-    maps::{self, Maps, TC_EGRESS, TC_INGRESS},
-    reconciler::MapWriter,
-};
+use proxy_tests::fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, run_table};
+use proxy_user::{maps::Maps, reconciler::MapWriter};
 
-const TC_ACT_OK: u32 = 0;
-const TC_ACT_SHOT: u32 = 2;
 /// bpf_redirect(): a REJECT goes back out the interface it came in on.
 const TC_ACT_REDIRECT: u32 = 7;
-/// TC_ACT_UNSPEC (-1): not ours, left to whatever runs next.
-const TC_ACT_UNSPEC: u32 = u32::MAX;
 
 const CLIENT: [u8; 4] = [10, 244, 0, 2];
 const BACKEND: [u8; 4] = [10, 244, 0, 11];
@@ -70,69 +57,15 @@ type Endpoint = ([u8; 4], u16);
 
 // ---------------------------------------------------------------- cases
 
-enum Expect {
-    /// Output byte for byte equal to the input.
-    Unchanged,
-    /// Output equal to this frame, and with checksums that recompute.
-    Translated(Vec<u8>),
+/// A REJECT: the frame comes back from the address the client dialled,
+/// as a TCP RST for TCP, ICMP port unreachable otherwise.
+fn rejected(what: &str, input: Vec<u8>) -> Case {
+    let want = reject_of(&input);
+    Case::new(what, input, TC_ACT_REDIRECT, Expect::Translated(want), &[Counter::Rejected])
 }
 
-/// The mark tc_ingress sets on a flow to masquerade (`None`: any mark is fine).
-type WantMark = Option<u32>;
-
-struct Case {
-    what: String,
-    input: Vec<u8>,
-    verdict: u32,
-    output: Expect,
-    /// Counters that must each move by exactly one; all others must not move.
-    counters: Vec<Counter>,
-    /// A check of the map state after the case ran.
-    after: Option<fn(&Maps) -> Result<(), String>>,
-    /// Run tc_egress with this skb mark instead of tc_ingress.
-    egress_mark: Option<u32>,
-    /// The skb mark the program must leave.
-    mark: WantMark,
-}
-
-impl Case {
-    fn new(what: &str, input: Vec<u8>, verdict: u32, output: Expect, counters: &[Counter]) -> Self {
-        Case { what: what.to_string(), input, verdict, output, counters: counters.to_vec(), after: None, egress_mark: None, mark: None }
-    }
-
-    fn translated(what: &str, input: Vec<u8>, want: Vec<u8>, counter: Counter) -> Self {
-        Case::new(what, input, TC_ACT_OK, Expect::Translated(want), &[counter])
-    }
-
-    fn untouched(what: &str, input: Vec<u8>, counter: Counter) -> Self {
-        Case::new(what, input, TC_ACT_UNSPEC, Expect::Unchanged, &[counter])
-    }
-
-    fn then(mut self, check: fn(&Maps) -> Result<(), String>) -> Self {
-        self.after = Some(check);
-        self
-    }
-
-    /// A REJECT: the frame comes back from the address the client dialled,
-    /// as a TCP RST for TCP, ICMP port unreachable otherwise.
-    fn rejected(what: &str, input: Vec<u8>) -> Self {
-        let want = reject_of(&input);
-        Case::new(what, input, TC_ACT_REDIRECT, Expect::Translated(want), &[Counter::Rejected])
-    }
-
-    fn dropped(what: &str, input: Vec<u8>, counter: Counter) -> Self {
-        Case::new(what, input, TC_ACT_SHOT, Expect::Unchanged, &[counter])
-    }
-
-    fn at_egress(mut self, mark: u32) -> Self {
-        self.egress_mark = Some(mark);
-        self
-    }
-
-    fn leaves_mark(mut self, mark: u32) -> Self {
-        self.mark = Some(mark);
-        self
-    }
+fn dropped(what: &str, input: Vec<u8>, counter: Counter) -> Case {
+    Case::new(what, input, TC_ACT_SHOT, Expect::Unchanged, &[counter])
 }
 
 /// Translation, in order: later cases rely on the conntrack state earlier
@@ -235,16 +168,16 @@ fn translation_cases() -> Vec<Case> {
 fn verdict_cases() -> Vec<Case> {
     let ext = (EXTERNAL, 40000);
     vec![
-        Case::rejected("UDP -> 10.96.0.20:53, a ClusterIP on a port it does not serve", udp((CLIENT, 40000), (VIP_EMPTY, 53), b"q")),
-        Case::rejected("TCP SYN -> 10.96.0.10:81, a served ClusterIP on another port", tcp_syn((CLIENT, 40000), (VIP, 81))),
-        Case::dropped("TCP SYN -> 10.96.0.99:80, unallocated in the service CIDR", tcp_syn((CLIENT, 40000), (NOWHERE, 80)), Counter::DropUnallocated),
+        rejected("UDP -> 10.96.0.20:53, a ClusterIP on a port it does not serve", udp((CLIENT, 40000), (VIP_EMPTY, 53), b"q")),
+        rejected("TCP SYN -> 10.96.0.10:81, a served ClusterIP on another port", tcp_syn((CLIENT, 40000), (VIP, 81))),
+        dropped("TCP SYN -> 10.96.0.99:80, unallocated in the service CIDR", tcp_syn((CLIENT, 40000), (NOWHERE, 80)), Counter::DropUnallocated),
         Case::untouched("TCP SYN -> 10.97.0.1:80, outside the service CIDR", tcp_syn((CLIENT, 40000), ([10, 97, 0, 1], 80)), Counter::Passed),
-        Case::dropped(
+        dropped(
             "TCP SYN -> 10.96.0.30:80, Local policy with endpoints only elsewhere: dropped, not rejected",
             tcp_syn((CLIENT, 40000), (LOCAL_EMPTY, 80)),
             Counter::DropNoLocal,
         ),
-        Case::dropped(
+        dropped(
             "TCP SYN 203.0.113.130 -> LB 1.2.3.4:80, outside loadBalancerSourceRanges",
             tcp_syn((EXTERNAL_BLOCKED, 40000), (LB_IP, 80)),
             Counter::DropSourceRange,
@@ -412,21 +345,21 @@ fn untouched_cases() -> Vec<Case> {
 
 #[test]
 fn translation_fixtures() {
-    let fx = Fixture::new("fixtures-xlate");
-    run_table(&fx, "translation", translation_cases());
+    let fx = Fixture::new("fixtures-xlate", install_services).unwrap();
+    run_table(&fx, "translation", translation_cases(), recheck_checksums, diff);
 }
 
 #[test]
 fn verdict_fixtures() {
-    let mut fx = Fixture::new("fixtures-verdict");
+    let mut fx = Fixture::new("fixtures-verdict", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
-    run_table(&fx, "verdict", verdict_cases());
+    run_table(&fx, "verdict", verdict_cases(), recheck_checksums, diff);
 }
 
 #[test]
 fn untouched_fixtures() {
-    let fx = Fixture::new("fixtures-untouched");
-    run_table(&fx, "left untouched", untouched_cases());
+    let fx = Fixture::new("fixtures-untouched", install_services).unwrap();
+    run_table(&fx, "left untouched", untouched_cases(), recheck_checksums, diff);
     let flows = fx.maps.conntrack.keys().count();
     assert_eq!(flows, 0, "untouched frames created {flows} conntrack entries");
 }
@@ -462,55 +395,6 @@ fn conntrack_has_both_directions(maps: &Maps) -> Result<(), String> {
 }
 
 // ---------------------------------------------------------------- fixture
-
-struct Fixture {
-    // Fields drop in order: the program and maps go before the bpffs unmounts.
-    ebpf: Ebpf,
-    maps: Maps,
-    _bpffs: Bpffs,
-}
-
-impl Fixture {
-    fn new(label: &str) -> Self {
-        assert!(is_root(), "needs root (BPF)");
-        let bpffs = Bpffs::new(label).expect("mounting a private bpffs");
-        let (mut ebpf, mut maps) = maps::load(bpffs.path()).expect("loading the BPF object");
-        for name in [TC_INGRESS, TC_EGRESS] {
-            let prog: &mut SchedClassifier =
-                ebpf.program_mut(name).expect("tc program in the object").try_into().expect("tc program is a classifier");
-            prog.load().unwrap_or_else(|e| panic!("verifier rejects {name}: {}", error_chain(&e)));
-        }
-        install_services(&mut maps).expect("filling the service maps");
-        // As the agent does without --cluster-cidr: every source in-cluster.
-        maps.write_node_config(&Default::default(), &[], &[]).expect("node settings");
-        Fixture { ebpf, maps, _bpffs: bpffs }
-    }
-
-    /// One BPF_PROG_TEST_RUN: the verdict, the frame as the program left it,
-    /// and the skb mark (given in, read back).
-    fn run(&self, program: &str, input: &[u8], mark: u32) -> Result<(u32, Vec<u8>, u32), ProgramError> {
-        let prog: &SchedClassifier = self.ebpf.program(program).unwrap().try_into().unwrap();
-        let mut out = vec![0u8; input.len() + 256];
-        // The head of struct __sk_buff: len, pkt_type (both 0 on input), mark.
-        let mut ctx_in = [0u8; 12];
-        ctx_in[8..12].copy_from_slice(&mark.to_ne_bytes());
-        // The kernel writes back the whole struct (ENOSPC if it does not fit).
-        let mut ctx_out = [0u8; 512];
-        let res = prog.test_run(TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            ctx_in: Some(&ctx_in),
-            ctx_out: Some(&mut ctx_out),
-            ..TestRunOptions::new()
-        })?;
-        out.truncate(res.data_size_out as usize);
-        Ok((res.return_value, out, u32::from_ne_bytes(ctx_out[8..12].try_into().unwrap())))
-    }
-
-    fn counters(&self) -> Vec<u64> {
-        self.maps.read_counters().expect("reading counters")
-    }
-}
 
 /// 10.96.0.10:80/TCP -> 10.244.0.11:8080 and :53/UDP -> :5353, one backend
 /// each so the choice is deterministic; 10.96.0.20:80/TCP with none.
@@ -560,109 +444,7 @@ fn install_policy(m: &mut Maps) -> anyhow::Result<()> {
     Ok(())
 }
 
-// ---------------------------------------------------------------- running
-
-struct Row {
-    what: String,
-    want: u32,
-    got: Option<u32>,
-    problems: Vec<String>,
-}
-
-fn run_table(fx: &Fixture, title: &str, cases: Vec<Case>) {
-    let mut rows = Vec::new();
-    for case in cases {
-        let before = fx.counters();
-        let mut row = Row { what: case.what.clone(), want: case.verdict, got: None, problems: Vec::new() };
-        let program = if case.egress_mark.is_some() { TC_EGRESS } else { TC_INGRESS };
-        match fx.run(program, &case.input, case.egress_mark.unwrap_or(0)) {
-            Err(e) => row.problems.push(format!("BPF_PROG_TEST_RUN failed: {}", error_chain(&e))),
-            Ok((verdict, out, mark)) => {
-                if let Some(want) = case.mark
-                    && mark != want
-                {
-                    row.problems.push(format!("skb mark {mark:#x}, want {want:#x}"));
-                }
-                row.got = Some(verdict);
-                if verdict != case.verdict {
-                    row.problems.push(format!("verdict {}, want {}", verdict_name(verdict), verdict_name(case.verdict)));
-                }
-                match &case.output {
-                    Expect::Unchanged => {
-                        if out != case.input {
-                            row.problems.push(format!("frame changed: {}", diff(&case.input, &out)));
-                        }
-                    }
-                    Expect::Translated(want) => {
-                        if &out != want {
-                            row.problems.push(format!("frame differs from expected: {}", diff(want, &out)));
-                        }
-                        row.problems.extend(recheck_checksums(&out, want).err());
-                    }
-                }
-            }
-        }
-        let after = fx.counters();
-        row.problems.extend(check_counters(&before, &after, &case.counters).err());
-        if let Some(check) = case.after {
-            row.problems.extend(check(&fx.maps).err());
-        }
-        rows.push(row);
-    }
-
-    let report = render(title, &rows);
-    println!("{report}");
-    let failed = rows.iter().filter(|r| !r.problems.is_empty()).count();
-    assert_eq!(failed, 0, "{failed} of {} {title} fixtures failed\n{report}", rows.len());
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        let _ = write!(s, ": {inner}");
-        source = inner.source();
-    }
-    s
-}
-
-fn verdict_name(v: u32) -> String {
-    match v {
-        TC_ACT_OK => "OK".into(),
-        TC_ACT_SHOT => "SHOT".into(),
-        TC_ACT_REDIRECT => "REDIRECT".into(),
-        TC_ACT_UNSPEC => "UNSPEC".into(),
-        v => format!("{v:#x}"),
-    }
-}
-
-fn render(title: &str, rows: &[Row]) -> String {
-    let mut s = format!("\n{title} fixtures\n  #  result  want    got     case\n");
-    for (i, r) in rows.iter().enumerate() {
-        let result = if r.problems.is_empty() { "pass" } else { "FAIL" };
-        let got = r.got.map(verdict_name).unwrap_or_else(|| "-".into());
-        let _ = writeln!(s, "{:>3}  {result:<6}  {:<6}  {got:<6}  {}", i + 1, verdict_name(r.want), r.what);
-        for p in &r.problems {
-            let _ = writeln!(s, "{:>18}- {p}", "");
-        }
-    }
-    let passed = rows.iter().filter(|r| r.problems.is_empty()).count();
-    let _ = write!(s, "{passed}/{} passed", rows.len());
-    s
-}
-
-/// Every counter moved exactly as listed.
-fn check_counters(before: &[u64], after: &[u64], want: &[Counter]) -> Result<(), String> {
-    let mut bad = Vec::new();
-    for (i, name) in COUNTER_NAMES.iter().enumerate() {
-        let expected = want.iter().filter(|c| **c as usize == i).count() as u64;
-        let moved = after[i] - before[i];
-        if moved != expected {
-            bad.push(format!("{name} +{moved} (want +{expected})"));
-        }
-    }
-    if bad.is_empty() { Ok(()) } else { Err(format!("counters: {}", bad.join(", "))) }
-}
+// ---------------------------------------------------------------- checks
 
 /// Recomputes the IPv4 header checksum and the TCP/UDP checksum of the
 /// output frame. A UDP checksum of 0 is only right if the expected frame has

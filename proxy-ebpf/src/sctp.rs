@@ -1,0 +1,80 @@
+//! SCTP: the common header and the CRC32c-aware port rewrite.
+//!
+//! SCTP's checksum is a CRC32c over the SCTP packet only (no IP
+//! pseudo-header), so address rewrites leave it alone (see `nat`) and a port
+//! rewrite folds the change into the stored CRC with `update_port`: a fixed
+//! number of GF(2) multiplications, whatever the packet length. The update
+//! only adds the difference, so a corrupt CRC stays exactly as corrupt.
+//!
+//! A packet whose CRC the kernel (or the NIC) computes later —
+//! `skb->ip_summed == CHECKSUM_PARTIAL`, as with SCTP CRC offload on a
+//! locally sent packet — carries no CRC yet, and that later computation
+//! runs over the field as it stands: patching it would plant an error. TC
+//! programs cannot read `ip_summed`; `reject::checksum_is_partial` tells by
+//! the l4 checksum helper's behaviour (it leaves a partial packet's field
+//! alone), on the CRC field itself, which is restored or rewritten after.
+
+use aya_ebpf::programs::TcContext;
+use proxy_common::crc32c::update_port;
+
+use crate::{parse::Packet, reject::checksum_is_partial};
+
+/// Source port, destination port, verification tag, checksum.
+pub const COMMON_HEADER_LEN: usize = 12;
+pub const CHECKSUM_OFF: usize = 8;
+
+/// Writes `new_port` at `port_field` (0: source, 2: destination) of the
+/// SCTP header and updates the CRC32c by the change, unless the kernel will
+/// compute the CRC later.
+///
+/// The helper calls live in two small subprograms, called one after the
+/// other: a subprogram's stack frame adds to its caller's, and tc_egress's
+/// own frame leaves little of the kernel's 512 bytes.
+#[inline(always)]
+pub fn rewrite_port(ctx: &TcContext, pkt: &Packet, port_field: usize, old_port: u16, new_port: u16) -> Result<(), i64> {
+    let port_off = pkt.l4_off + port_field;
+    let dist = pkt.l4_end.checked_sub(port_off + 2).ok_or(-1i64)?;
+    let probed = load_crc_and_probe(ctx, pkt.l4_csum_off);
+    if probed < 0 {
+        return Err(probed);
+    }
+    let stored = probed as u32;
+    let crc = if probed & PARTIAL != 0 {
+        stored
+    } else {
+        update_port(stored, old_port.to_ne_bytes(), new_port.to_ne_bytes(), dist as u16)
+    };
+    match store_crc_and_port(ctx, pkt.l4_csum_off, crc, port_off, new_port) {
+        0 => Ok(()),
+        err => Err(err),
+    }
+}
+
+/// Set in `load_crc_and_probe`'s result when the packet is CHECKSUM_PARTIAL.
+const PARTIAL: i64 = 1 << 32;
+
+/// The stored CRC (low 32 bits; a plain little-endian load of the field is
+/// the CRC value, SCTP sending it least significant byte first), `PARTIAL`
+/// if the kernel computes the checksum later, or a helper's negative error.
+/// Leaves the probe's bytes in the field: `store_crc_and_port` overwrites them.
+#[inline(never)]
+fn load_crc_and_probe(ctx: &TcContext, csum_off: usize) -> i64 {
+    let Ok(stored) = ctx.load::<u32>(csum_off) else { return -1 };
+    match checksum_is_partial(ctx, csum_off) {
+        Ok(true) => i64::from(stored) | PARTIAL,
+        Ok(false) => i64::from(stored),
+        Err(e) => e,
+    }
+}
+
+/// Writes the CRC and the port (network order); 0 or a helper's negative error.
+#[inline(never)]
+fn store_crc_and_port(ctx: &TcContext, csum_off: usize, crc: u32, port_off: usize, port: u16) -> i64 {
+    if let Err(e) = ctx.store(csum_off, &crc, 0) {
+        return e;
+    }
+    match ctx.store(port_off, &port, 0) {
+        Ok(()) => 0,
+        Err(e) => e,
+    }
+}

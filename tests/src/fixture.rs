@@ -1,0 +1,259 @@
+//! A Katran-style packet fixture harness: the real compiled `tc_ingress` and
+//! `tc_egress`, real maps on a private bpffs, and a table of cases (input
+//! frame, program and skb mark, verdict, expected output frame and mark,
+//! counters that must move) run through BPF_PROG_TEST_RUN, printed as a
+//! table. Also single runs timed by the kernel, for benchmarks.
+
+use std::{fmt::Write as _, time::Duration};
+
+use anyhow::{Context, Result};
+use aya::{
+    Ebpf,
+    programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
+};
+use proxy_common::{COUNTER_NAMES, Counter};
+use proxy_user::maps::{self, Maps, TC_EGRESS, TC_INGRESS};
+
+use crate::{bpffs::Bpffs, is_root};
+
+pub const TC_ACT_OK: u32 = 0;
+pub const TC_ACT_SHOT: u32 = 2;
+/// TC_ACT_UNSPEC (-1): not ours, left to whatever runs next.
+pub const TC_ACT_UNSPEC: u32 = u32::MAX;
+
+pub struct Fixture {
+    // Fields drop in order: the program and maps go before the bpffs unmounts.
+    ebpf: Ebpf,
+    pub maps: Maps,
+    _bpffs: Bpffs,
+}
+
+impl Fixture {
+    /// Loads the program (through the verifier) and lets `install` fill the maps.
+    pub fn new(label: &str, install: impl FnOnce(&mut Maps) -> Result<()>) -> Result<Fixture> {
+        anyhow::ensure!(is_root(), "needs root (BPF)");
+        let bpffs = Bpffs::new(label).context("mounting a private bpffs")?;
+        let (mut ebpf, mut maps) = maps::load(bpffs.path()).context("loading the BPF object")?;
+        for name in [TC_INGRESS, TC_EGRESS] {
+            let prog: &mut SchedClassifier = ebpf.program_mut(name).context("tc program in the object")?.try_into()?;
+            prog.load().with_context(|| format!("verifier accepts {name}"))?;
+        }
+        install(&mut maps).context("filling the service maps")?;
+        // As the agent does without --cluster-cidr: every source in-cluster.
+        maps.write_node_config(&Default::default(), &[], &[]).context("node settings")?;
+        Ok(Fixture { ebpf, maps, _bpffs: bpffs })
+    }
+
+    fn program(&self, name: &str) -> &SchedClassifier {
+        self.ebpf.program(name).unwrap().try_into().unwrap()
+    }
+
+    /// One BPF_PROG_TEST_RUN of `program`: the verdict, the frame as the
+    /// program left it, and the skb mark (given in, read back).
+    pub fn run(&self, program: &str, input: &[u8], mark: u32) -> Result<(u32, Vec<u8>, u32), ProgramError> {
+        let mut out = vec![0u8; input.len() + 256];
+        // The head of struct __sk_buff: len, pkt_type (both 0 on input), mark.
+        let mut ctx_in = [0u8; 12];
+        ctx_in[8..12].copy_from_slice(&mark.to_ne_bytes());
+        // The kernel writes back the whole struct (ENOSPC if it does not fit).
+        let mut ctx_out = [0u8; 512];
+        let res = self.program(program).test_run(TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx_in),
+            ctx_out: Some(&mut ctx_out),
+            ..TestRunOptions::new()
+        })?;
+        out.truncate(res.data_size_out as usize);
+        Ok((res.return_value, out, u32::from_ne_bytes(ctx_out[8..12].try_into().unwrap())))
+    }
+
+    /// One run of `tc_ingress` as timed by the kernel. A single run, not
+    /// `repeat`: repeats reuse the same skb, so the second pass would see the
+    /// rewritten frame.
+    pub fn time_one(&self, input: &[u8]) -> Result<(u32, Duration), ProgramError> {
+        let res = self.program(TC_INGRESS).test_run(TestRunOptions { data_in: Some(input), ..TestRunOptions::new() })?;
+        Ok((res.return_value, res.duration))
+    }
+
+    /// Instructions the verifier processed to accept the program: its
+    /// headroom under the kernel's 1,000,000 limit.
+    pub fn verified_insns(&self) -> Option<u32> {
+        self.program(TC_INGRESS).info().ok()?.verified_instruction_count()
+    }
+
+    pub fn counters(&self) -> Vec<u64> {
+        self.maps.read_counters().expect("reading counters")
+    }
+}
+
+pub enum Expect {
+    /// Output byte for byte equal to the input.
+    Unchanged,
+    /// Output equal to this frame, and passing the table's own checks.
+    Translated(Vec<u8>),
+}
+
+pub struct Case {
+    pub what: String,
+    pub input: Vec<u8>,
+    pub verdict: u32,
+    pub output: Expect,
+    /// Counters that must each move by exactly one; all others must not move.
+    pub counters: Vec<Counter>,
+    /// A check of the map state after the case ran.
+    pub after: Option<fn(&Maps) -> Result<(), String>>,
+    /// Run tc_egress with this skb mark instead of tc_ingress.
+    pub egress_mark: Option<u32>,
+    /// The skb mark the program must leave (`None`: any).
+    pub mark: Option<u32>,
+}
+
+impl Case {
+    pub fn new(what: &str, input: Vec<u8>, verdict: u32, output: Expect, counters: &[Counter]) -> Self {
+        Case {
+            what: what.to_string(),
+            input,
+            verdict,
+            output,
+            counters: counters.to_vec(),
+            after: None,
+            egress_mark: None,
+            mark: None,
+        }
+    }
+
+    pub fn at_egress(mut self, mark: u32) -> Self {
+        self.egress_mark = Some(mark);
+        self
+    }
+
+    pub fn leaves_mark(mut self, mark: u32) -> Self {
+        self.mark = Some(mark);
+        self
+    }
+
+    pub fn translated(what: &str, input: Vec<u8>, want: Vec<u8>, counter: Counter) -> Self {
+        Case::new(what, input, TC_ACT_OK, Expect::Translated(want), &[counter])
+    }
+
+    pub fn untouched(what: &str, input: Vec<u8>, counter: Counter) -> Self {
+        Case::new(what, input, TC_ACT_UNSPEC, Expect::Unchanged, &[counter])
+    }
+
+    pub fn then(mut self, check: fn(&Maps) -> Result<(), String>) -> Self {
+        self.after = Some(check);
+        self
+    }
+}
+
+struct Row {
+    what: String,
+    want: u32,
+    got: Option<u32>,
+    problems: Vec<String>,
+}
+
+/// Runs the cases in order and fails with the whole table if any failed.
+/// `recheck(out, want)` verifies a translated frame independently of the
+/// program (checksums recomputed by a reference); `diff` names the bytes
+/// that differ.
+pub fn run_table(
+    fx: &Fixture,
+    title: &str,
+    cases: Vec<Case>,
+    recheck: fn(&[u8], &[u8]) -> Result<(), String>,
+    diff: fn(&[u8], &[u8]) -> String,
+) {
+    let mut rows = Vec::new();
+    for case in cases {
+        let before = fx.counters();
+        let mut row = Row { what: case.what.clone(), want: case.verdict, got: None, problems: Vec::new() };
+        let program = if case.egress_mark.is_some() { TC_EGRESS } else { TC_INGRESS };
+        match fx.run(program, &case.input, case.egress_mark.unwrap_or(0)) {
+            Err(e) => row.problems.push(format!("BPF_PROG_TEST_RUN failed: {}", error_chain(&e))),
+            Ok((verdict, out, mark)) => {
+                if let Some(want) = case.mark
+                    && mark != want
+                {
+                    row.problems.push(format!("skb mark {mark:#x}, want {want:#x}"));
+                }
+                row.got = Some(verdict);
+                if verdict != case.verdict {
+                    row.problems.push(format!("verdict {}, want {}", verdict_name(verdict), verdict_name(case.verdict)));
+                }
+                match &case.output {
+                    Expect::Unchanged => {
+                        if out != case.input {
+                            row.problems.push(format!("frame changed: {}", diff(&case.input, &out)));
+                        }
+                    }
+                    Expect::Translated(want) => {
+                        if &out != want {
+                            row.problems.push(format!("frame differs from expected: {}", diff(want, &out)));
+                        }
+                        row.problems.extend(recheck(&out, want).err());
+                    }
+                }
+            }
+        }
+        let after = fx.counters();
+        row.problems.extend(check_counters(&before, &after, &case.counters).err());
+        if let Some(check) = case.after {
+            row.problems.extend(check(&fx.maps).err());
+        }
+        rows.push(row);
+    }
+
+    let report = render(title, &rows);
+    println!("{report}");
+    let failed = rows.iter().filter(|r| !r.problems.is_empty()).count();
+    assert_eq!(failed, 0, "{failed} of {} {title} fixtures failed\n{report}", rows.len());
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        let _ = write!(s, ": {inner}");
+        source = inner.source();
+    }
+    s
+}
+
+pub fn verdict_name(v: u32) -> String {
+    match v {
+        TC_ACT_OK => "OK".into(),
+        TC_ACT_SHOT => "SHOT".into(),
+        TC_ACT_UNSPEC => "UNSPEC".into(),
+        v => format!("{v:#x}"),
+    }
+}
+
+fn render(title: &str, rows: &[Row]) -> String {
+    let mut s = format!("\n{title} fixtures\n  #  result  want    got     case\n");
+    for (i, r) in rows.iter().enumerate() {
+        let result = if r.problems.is_empty() { "pass" } else { "FAIL" };
+        let got = r.got.map(verdict_name).unwrap_or_else(|| "-".into());
+        let _ = writeln!(s, "{:>3}  {result:<6}  {:<6}  {got:<6}  {}", i + 1, verdict_name(r.want), r.what);
+        for p in &r.problems {
+            let _ = writeln!(s, "{:>18}- {p}", "");
+        }
+    }
+    let passed = rows.iter().filter(|r| r.problems.is_empty()).count();
+    let _ = write!(s, "{passed}/{} passed", rows.len());
+    s
+}
+
+/// Every counter moved exactly as listed.
+pub fn check_counters(before: &[u64], after: &[u64], want: &[Counter]) -> Result<(), String> {
+    let mut bad = Vec::new();
+    for (i, name) in COUNTER_NAMES.iter().enumerate() {
+        let expected = want.iter().filter(|c| **c as usize == i).count() as u64;
+        let moved = after[i] - before[i];
+        if moved != expected {
+            bad.push(format!("{name} +{moved} (want +{expected})"));
+        }
+    }
+    if bad.is_empty() { Ok(()) } else { Err(format!("counters: {}", bad.join(", "))) }
+}
