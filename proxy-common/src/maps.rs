@@ -18,11 +18,11 @@ pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
 pub const MAP_AFFINITY: &str = "AFFINITY";
 pub const MAP_SOCK_REVNAT: &str = "SOCK_REVNAT";
 
-pub const MAX_FRONTENDS: u32 = 262_144;
+pub const MAX_FRONTENDS: u32 = 1_048_576;
 pub const MAX_BACKEND_SLOTS: u32 = 1_048_576;
-pub const MAX_BACKENDS: u32 = 262_144;
+pub const MAX_BACKENDS: u32 = 1_048_576;
 pub const MAX_CONNTRACK: u32 = 131_072;
-pub const MAX_SERVICE_NAMES: u32 = 262_144;
+pub const MAX_SERVICE_NAMES: u32 = 524_288;
 pub const MAX_SNAT: u32 = MAX_CONNTRACK;
 pub const MAX_SNAT_ADDRS: u32 = 1024;
 pub const MAX_CIDRS: u32 = 256;

@@ -7,6 +7,7 @@
 //! and removed on drop, so a failing test leaves nothing behind.
 
 pub mod agent;
+pub mod bench;
 pub mod bpffs;
 pub mod cgroup;
 pub mod conformance;

@@ -58,8 +58,8 @@ fn scrape_shows_map_fill_and_verdicts_moving_with_traffic() -> Result<()> {
     let before = agent.scrape(&node.ns)?;
     // Capacities are the maps' own; entries agree with what `dump` reads and
     // what the sync reports: the backend's TCP and UDP ports.
-    assert_eq!(get(&before, r#"ebpf_proxy_map_capacity{map="FRONTENDS"}"#)?, 262_144.0);
-    assert_eq!(get(&before, r#"ebpf_proxy_map_capacity{map="CONNTRACK"}"#)?, 131_072.0);
+    assert_eq!(get(&before, r#"ebpf_proxy_map_capacity{map="FRONTENDS"}"#)?, f64::from(proxy_common::MAX_FRONTENDS));
+    assert_eq!(get(&before, r#"ebpf_proxy_map_capacity{map="CONNTRACK"}"#)?, f64::from(proxy_common::MAX_CONNTRACK));
     for map in proxy_user::maps::PINNED_MAPS {
         get(&before, &format!(r#"ebpf_proxy_map_entries{{map="{map}"}}"#))?;
         get(&before, &format!(r#"ebpf_proxy_map_capacity{{map="{map}"}}"#))?;

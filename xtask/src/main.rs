@@ -29,8 +29,8 @@ enum Command {
     Demo,
     /// Build an OCI image archive of the agent (no container engine needed).
     Image(image::Options),
-    /// Benchmarks (not implemented yet).
-    Bench,
+    /// Benchmarks against kube-proxy's rule sets; writes docs/benchmarks.md (needs root).
+    Bench(bench::Options),
 }
 
 fn main() -> ExitCode {
@@ -39,7 +39,7 @@ fn main() -> ExitCode {
         Command::Test(opts) => test::run(&opts),
         Command::Demo => demo::run(),
         Command::Image(opts) => image::run(&opts),
-        Command::Bench => return bench::run(),
+        Command::Bench(opts) => bench::run(&opts),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,311 @@
+//! A load generator and its server, for request/response rates and UDP
+//! packet rates through a proxy. The server answers every TCP request and
+//! every UDP datagram with a short reply, and counts (without answering)
+//! datagrams marked as stream traffic. The clients run on threads inside the
+//! client namespace; each measures only the operations it completes inside
+//! the window after a warm-up.
+
+use std::{
+    io::{Read, Write},
+    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result};
+use nix::sys::socket::{setsockopt, sockopt};
+
+use crate::netns::Netns;
+
+const REQUEST: &[u8] = b"q";
+const REPLY: &[u8] = b"ok\n";
+/// First byte of a datagram the server only counts.
+const STREAM_MARK: u8 = b's';
+const STREAM_PAYLOAD: usize = 64;
+const IO_TIMEOUT: Duration = Duration::from_millis(500);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Mode {
+    /// TCP connect, one request and reply, close (netperf's TCP_CRR).
+    TcpConnect,
+    /// Requests and replies on kept TCP connections (TCP_RR).
+    TcpKept,
+    /// UDP request and reply (UDP_RR).
+    UdpRr,
+    /// UDP datagrams one way as fast as the senders go; the rate received counts.
+    UdpStream,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 4] = [Mode::TcpConnect, Mode::TcpKept, Mode::UdpRr, Mode::UdpStream];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Mode::TcpConnect => "TCP connect+request/s",
+            Mode::TcpKept => "TCP kept-connection requests/s",
+            Mode::UdpRr => "UDP request/reply/s",
+            Mode::UdpStream => "UDP packets/s received",
+        }
+    }
+
+    pub fn short(self) -> &'static str {
+        match self {
+            Mode::TcpConnect => "tcp-crr",
+            Mode::TcpKept => "tcp-rr",
+            Mode::UdpRr => "udp-rr",
+            Mode::UdpStream => "udp-stream",
+        }
+    }
+
+    pub fn is_tcp(self) -> bool {
+        matches!(self, Mode::TcpConnect | Mode::TcpKept)
+    }
+}
+
+/// Serves TCP and UDP on every address of a namespace until dropped.
+pub struct Server {
+    stop: Arc<AtomicBool>,
+    received: Arc<AtomicU64>,
+    threads: Vec<JoinHandle<()>>,
+    tcp_wake: SocketAddr,
+    tcp_threads: usize,
+    /// The server's namespace, entered to wake the accept threads.
+    netns: std::fs::File,
+}
+
+impl Server {
+    /// TCP on `tcp_port` of every address, `tcp_threads` accepting; UDP on
+    /// `udp_port` of each of `udp_addrs`, one socket and thread each, so a
+    /// reply leaves from the address the request was sent to (a socket bound
+    /// to 0.0.0.0 would answer from the interface's first address).
+    pub fn start(ns: &Netns, tcp_port: u16, tcp_threads: usize, udp_addrs: &[Ipv4Addr], udp_port: u16) -> Result<Server> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let received = Arc::new(AtomicU64::new(0));
+        let tcp_bind = SocketAddr::from(([0, 0, 0, 0], tcp_port));
+        let tcp = ns.run(move || TcpListener::bind(tcp_bind))?.with_context(|| format!("tcp bind {tcp_bind}"))?;
+        let mut handles = Vec::new();
+        for _ in 0..tcp_threads {
+            let (l, s) = (tcp.try_clone()?, stop.clone());
+            handles.push(std::thread::spawn(move || serve_tcp(l, &s)));
+        }
+        for &ip in udp_addrs {
+            let bind = SocketAddr::from((ip, udp_port));
+            let udp = ns.run(move || UdpSocket::bind(bind))?.with_context(|| format!("udp bind {bind}"))?;
+            udp.set_read_timeout(Some(Duration::from_millis(100)))?;
+            let (s, r) = (stop.clone(), received.clone());
+            handles.push(std::thread::spawn(move || serve_udp(udp, &s, &r)));
+        }
+        let tcp_wake = SocketAddr::from((Ipv4Addr::LOCALHOST, tcp_port));
+        let netns = std::fs::File::open(format!("/run/netns/{}", ns.name))?;
+        Ok(Server { stop, received, threads: handles, tcp_wake, tcp_threads, netns })
+    }
+
+    /// Stream datagrams received so far.
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Each TCP thread blocks in accept: one connection over the server
+        // namespace's loopback wakes one thread.
+        let wake = self.tcp_wake;
+        let n = self.tcp_threads;
+        let netns = self.netns.try_clone();
+        let waker = std::thread::spawn(move || {
+            let Ok(netns) = netns else { return };
+            if nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET).is_err() {
+                return;
+            }
+            for _ in 0..n {
+                let _ = TcpStream::connect_timeout(&wake, Duration::from_millis(200));
+            }
+        });
+        let _ = waker.join();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve_tcp(listener: TcpListener, stop: &AtomicBool) {
+    let mut buf = [0u8; 64];
+    while !stop.load(Ordering::Relaxed) {
+        let Ok((mut conn, _)) = listener.accept() else { continue };
+        let _ = conn.set_nodelay(true);
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+        // Answer every request until the client closes.
+        while let Ok(n) = conn.read(&mut buf) {
+            if n == 0 || stop.load(Ordering::Relaxed) || conn.write_all(REPLY).is_err() {
+                break;
+            }
+        }
+    }
+}
+
+fn serve_udp(socket: UdpSocket, stop: &AtomicBool, received: &AtomicU64) {
+    let mut buf = [0u8; 2048];
+    while !stop.load(Ordering::Relaxed) {
+        if let Ok((n, peer)) = socket.recv_from(&mut buf) {
+            if n > 0 && buf[0] == STREAM_MARK {
+                received.fetch_add(1, Ordering::Relaxed);
+            } else {
+                let _ = socket.send_to(REPLY, peer);
+            }
+        }
+    }
+}
+
+/// What one load run did inside its window.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Outcome {
+    pub ops: u64,
+    pub errors: u64,
+    pub seconds: f64,
+}
+
+impl Outcome {
+    pub fn rate(&self) -> f64 {
+        self.ops as f64 / self.seconds
+    }
+}
+
+pub struct Load {
+    pub mode: Mode,
+    /// Each operation goes to the next of these (a Service address, or the
+    /// endpoints themselves when there is no proxy).
+    pub targets: Vec<SocketAddr>,
+    pub threads: usize,
+    pub warmup: Duration,
+    pub window: Duration,
+}
+
+/// Runs `load` from `client`. For [`Mode::UdpStream`], `received` reads the
+/// server's count, so the rate is what arrived, not what was sent.
+pub fn run(client: &Netns, load: &Load, received: &dyn Fn() -> u64) -> Result<Outcome> {
+    let start = Instant::now() + Duration::from_millis(20);
+    let window_start = start + load.warmup;
+    let window_end = window_start + load.window;
+    let mut handles = Vec::new();
+    for t in 0..load.threads {
+        let targets = load.targets.clone();
+        let mode = load.mode;
+        handles.push(client.spawn(move || worker(mode, &targets, t, window_start, window_end))?);
+    }
+    let mut before = 0;
+    if load.mode == Mode::UdpStream {
+        sleep_until(window_start);
+        before = received();
+        sleep_until(window_end);
+    }
+    let mut total = Outcome { seconds: load.window.as_secs_f64(), ..Outcome::default() };
+    for h in handles {
+        let o = h.join().map_err(|_| anyhow::anyhow!("load thread panicked"))??;
+        total.ops += o.ops;
+        total.errors += o.errors;
+    }
+    if load.mode == Mode::UdpStream {
+        let sent = total.ops;
+        total.ops = received().saturating_sub(before);
+        total.errors = sent.saturating_sub(total.ops);
+    }
+    Ok(total)
+}
+
+fn sleep_until(t: Instant) {
+    let now = Instant::now();
+    if t > now {
+        std::thread::sleep(t - now);
+    }
+}
+
+fn worker(mode: Mode, targets: &[SocketAddr], id: usize, from: Instant, to: Instant) -> Result<Outcome> {
+    let mut o = Outcome::default();
+    let mut next = id;
+    let mut pick = || {
+        next = (next + 1) % targets.len();
+        targets[next]
+    };
+    let tally = |ok: bool, o: &mut Outcome| {
+        let now = Instant::now();
+        if now >= from && now < to {
+            if ok { o.ops += 1 } else { o.errors += 1 }
+        }
+    };
+    match mode {
+        Mode::TcpConnect => {
+            while Instant::now() < to {
+                let ok = tcp_once(pick()).is_ok();
+                tally(ok, &mut o);
+            }
+        }
+        Mode::TcpKept => {
+            let target = targets[id % targets.len()];
+            let mut conn = tcp_connect(target)?;
+            while Instant::now() < to {
+                match request(&mut conn) {
+                    Ok(()) => tally(true, &mut o),
+                    Err(_) => {
+                        tally(false, &mut o);
+                        conn = tcp_connect(target)?;
+                    }
+                }
+            }
+        }
+        Mode::UdpRr => {
+            let target = targets[id % targets.len()];
+            let socket = UdpSocket::bind(("0.0.0.0", 0))?;
+            socket.connect(target)?;
+            socket.set_read_timeout(Some(IO_TIMEOUT))?;
+            let mut buf = [0u8; 64];
+            while Instant::now() < to {
+                let ok = socket.send(REQUEST).is_ok() && socket.recv(&mut buf).is_ok();
+                tally(ok, &mut o);
+            }
+        }
+        Mode::UdpStream => {
+            let target = targets[id % targets.len()];
+            let socket = UdpSocket::bind(("0.0.0.0", 0))?;
+            socket.connect(target)?;
+            let mut payload = [0u8; STREAM_PAYLOAD];
+            payload[0] = STREAM_MARK;
+            while Instant::now() < to {
+                // A full socket buffer (ENOBUFS) is the sender outrunning the
+                // path: not an error of the path, the receiver's count tells.
+                let ok = socket.send(&payload).is_ok();
+                tally(ok, &mut o);
+            }
+        }
+    }
+    Ok(o)
+}
+
+fn tcp_connect(to: SocketAddr) -> Result<TcpStream> {
+    let s = TcpStream::connect_timeout(&to, IO_TIMEOUT).with_context(|| format!("connect {to}"))?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(IO_TIMEOUT))?;
+    Ok(s)
+}
+
+fn request(conn: &mut TcpStream) -> Result<()> {
+    conn.write_all(REQUEST)?;
+    let mut buf = [0u8; REPLY.len()];
+    conn.read_exact(&mut buf)?;
+    anyhow::ensure!(buf == REPLY, "unexpected reply {buf:?}");
+    Ok(())
+}
+
+/// One connection, one request, then a reset instead of a FIN exchange: no
+/// TIME_WAIT, so a few seconds of connections never run out of client ports.
+fn tcp_once(to: SocketAddr) -> Result<()> {
+    let mut conn = tcp_connect(to)?;
+    request(&mut conn)?;
+    setsockopt(&conn, sockopt::Linger, &nix::libc::linger { l_onoff: 1, l_linger: 0 })?;
+    Ok(())
+}

@@ -1,0 +1,325 @@
+//! Datapath micro-benchmark: the compiled `tc_ingress` run by
+//! BPF_PROG_TEST_RUN on crafted frames, with the maps filled for 1 to 100 000
+//! Services of 10 endpoints.
+//!
+//! Method. A TC program may rewrite the frame, and with `repeat` the kernel
+//! runs it again on the rewritten frame: after the first NAT the packet is
+//! addressed to the backend and takes another path. So every sample is one
+//! run (`repeat` = 1) on a fresh copy of a frame, and the kernel's
+//! in-kernel duration for it is kept (it excludes the syscall, includes one
+//! clock read). A new flow is a tuple never seen (distinct client address
+//! and port, Service drawn at random among all installed, so lookups touch
+//! the whole map); an established flow is the same frame again. A frame the
+//! program leaves at once (ARP) gives the floor of the method. The counters
+//! prove each sample took the path it is filed under.
+//!
+//! Steady state. `repeat` does work for a pair of Services that point at
+//! each other: A:80 has the one endpoint B:8080 and B:8080 has A:80. The
+//! first run translates a frame for A into one for B, the second one for B
+//! back into one for A, and from then on every repeat is an established flow
+//! with a full rewrite (address and port, with their checksums) and hot
+//! caches: the kernel's average over the repeats is the established cost in a
+//! tight loop, the figure usually quoted.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use aya::{
+    Ebpf,
+    programs::{SchedClassifier, TestRun, TestRunOptions},
+};
+use etherparse::{PacketBuilder, TcpHeader};
+use proxy_common::*;
+use proxy_tests::{
+    bench::services::{ServiceSet, TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET},
+    bpffs::Bpffs,
+};
+use proxy_user::{
+    maps::{self, Maps, TC_INGRESS},
+    reconciler::MapWriter,
+};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+pub const SCALES: [usize; 4] = [1, 1_000, 10_000, 100_000];
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_UNSPEC: u32 = u32::MAX;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    New,
+    Established,
+}
+
+#[derive(Clone, Debug)]
+pub struct Row {
+    pub services: usize,
+    pub proto: &'static str,
+    pub flow: Flow,
+    pub median_ns: f64,
+    pub p90_ns: f64,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Results {
+    pub rows: Vec<Row>,
+    /// Median of a frame the program leaves at once, per scale.
+    pub floor_ns: Vec<(usize, f64)>,
+    /// (services, proto, ns): established flow averaged over `repeat` runs.
+    pub steady: Vec<(usize, &'static str, f64)>,
+    pub samples: usize,
+    pub repeat: u32,
+}
+
+pub fn run(samples: usize, repeat: u32) -> Result<Results> {
+    let bpffs = Bpffs::new("bench-micro")?;
+    let result = measure(&bpffs, samples, repeat);
+    drop(bpffs);
+    result
+}
+
+fn measure(bpffs: &Bpffs, samples: usize, repeat: u32) -> Result<Results> {
+    let (mut ebpf, mut maps) = maps::load(bpffs.path())?;
+    let prog: &mut SchedClassifier = ebpf.program_mut(TC_INGRESS).context("tc program")?.try_into()?;
+    prog.load().context("verifier rejected tc_ingress")?;
+    // As the agent does without --cluster-cidr: every source is in-cluster.
+    maps.write_node_config(&Default::default(), &[], &[])?;
+
+    let largest = *SCALES.last().unwrap();
+    let set = ServiceSet::new(largest);
+    let mut out = Results { samples, repeat, ..Results::default() };
+    let mut installed = Installed::default();
+    installed.add_ping_pong(&mut maps)?;
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut next_client: u32 = 0;
+    for &scale in &SCALES {
+        let t = std::time::Instant::now();
+        installed.fill(&set, scale, &mut maps)?;
+        eprintln!("    micro: {scale} services installed ({:.1}s); measuring", t.elapsed().as_secs_f64());
+        out.floor_ns.push((scale, median(&floor(&ebpf, samples)?)));
+        for proto in [IPPROTO_TCP, IPPROTO_UDP] {
+            next_client += 1;
+            let ns = steady(&ebpf, &maps, proto, next_client, repeat)?;
+            out.steady.push((scale, proto_name(proto), ns));
+        }
+        for proto in [IPPROTO_TCP, IPPROTO_UDP] {
+            // Each series starts from an empty conntrack, so the LRU never
+            // evicts a flow the established pass is about to send again.
+            clear_conntrack(&mut maps)?;
+            let vips = installed.frontends(proto);
+            let flows: Vec<Vec<u8>> = (0..samples)
+                .map(|_| {
+                    next_client += 1;
+                    let vip = vips[rng.random_range(0..vips.len())];
+                    frame(proto, client_of(next_client), (vip, if proto == IPPROTO_TCP { TCP_PORT } else { UDP_PORT }))
+                })
+                .collect();
+            for flow in [Flow::New, Flow::Established] {
+                let want = if flow == Flow::New { Counter::NewFlow } else { Counter::Established };
+                let before = maps.read_counters()?;
+                let mut ns = Vec::with_capacity(samples);
+                for f in &flows {
+                    let (verdict, d) = test_run(&ebpf, f)?;
+                    ensure!(verdict == TC_ACT_OK, "verdict {verdict:#x} for a {flow:?} flow at {scale} services");
+                    ns.push(d.as_nanos() as f64);
+                }
+                let after = maps.read_counters()?;
+                let moved = after[want as usize] - before[want as usize];
+                ensure!(
+                    moved == samples as u64,
+                    "{flow:?} at {scale} services: counter {want:?} moved {moved}, want {samples}"
+                );
+                out.rows.push(Row {
+                    services: scale,
+                    proto: proto_name(proto),
+                    flow,
+                    median_ns: median(&ns),
+                    p90_ns: percentile(&ns, 0.90),
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// What is in the maps so far: Services `0..count` of the set.
+#[derive(Default)]
+struct Installed {
+    count: usize,
+    next_service_id: u32,
+    next_backend_id: u32,
+    tcp: Vec<[u8; 4]>,
+    udp: Vec<[u8; 4]>,
+}
+
+impl Installed {
+    /// The ping-pong pair, TCP and UDP, outside the measured set.
+    fn add_ping_pong(&mut self, maps: &mut Maps) -> Result<()> {
+        let flags = BACKEND_READY | BACKEND_SERVING;
+        for (proto, port, target) in [(IPPROTO_TCP, TCP_PORT, TCP_TARGET), (IPPROTO_UDP, UDP_PORT, UDP_TARGET)] {
+            for ((from, from_port), (to, to_port)) in [((PING_VIP, port), (PONG_VIP, target)), ((PONG_VIP, target), (PING_VIP, port))] {
+                self.next_service_id += 1;
+                self.next_backend_id += 1;
+                let backend = Backend { addr: Addr::from_v4_octets(to), port: to_port.to_be(), proto, flags };
+                maps.put_backend(self.next_backend_id, &backend)?;
+                maps.put_slot(&SlotKey { service_id: self.next_service_id, slot: 0 }, self.next_backend_id)?;
+                let key = FrontendKey { addr: Addr::from_v4_octets(from), port: from_port.to_be(), proto, scope: SCOPE_INTERNAL };
+                let entry =
+                    ServiceEntry { service_id: self.next_service_id, backend_count: 1, kind: KIND_CLUSTER_IP, ..Default::default() };
+                maps.put_frontend(&key, &entry)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn frontends(&self, proto: u8) -> &[[u8; 4]] {
+        if proto == IPPROTO_TCP { &self.tcp } else { &self.udp }
+    }
+
+    /// Adds Services up to `count`, written as the reconciler writes them:
+    /// backends, then slots, then the frontend. The probe (both protocols)
+    /// comes first, so a single Service has a TCP and a UDP port.
+    fn fill(&mut self, set: &ServiceSet, count: usize, maps: &mut Maps) -> Result<()> {
+        let order = std::iter::once(set.probe).chain((0..set.services.len()).filter(|&i| i != set.probe));
+        for svc in order.skip(self.count).take(count - self.count).map(|i| &set.services[i]) {
+            let vip = svc.cluster_ip.octets();
+            for (on, proto, port, target) in
+                [(svc.tcp, IPPROTO_TCP, TCP_PORT, TCP_TARGET), (svc.udp, IPPROTO_UDP, UDP_PORT, UDP_TARGET)]
+            {
+                if !on {
+                    continue;
+                }
+                self.next_service_id += 1;
+                let service_id = self.next_service_id;
+                for (slot, ep) in svc.endpoints.iter().enumerate() {
+                    self.next_backend_id += 1;
+                    let backend = Backend {
+                        addr: Addr::from_v4_octets(ep.octets()),
+                        port: target.to_be(),
+                        proto,
+                        flags: BACKEND_READY | BACKEND_SERVING,
+                    };
+                    maps.put_backend(self.next_backend_id, &backend)?;
+                    maps.put_slot(&SlotKey { service_id, slot: slot as u32 }, self.next_backend_id)?;
+                }
+                let key = FrontendKey { addr: Addr::from_v4_octets(vip), port: port.to_be(), proto, scope: SCOPE_INTERNAL };
+                let entry = ServiceEntry {
+                    service_id,
+                    backend_count: svc.endpoints.len() as u32,
+                    kind: KIND_CLUSTER_IP,
+                    ..Default::default()
+                };
+                maps.put_frontend(&key, &entry).with_context(|| format!("frontend {}:{port}", svc.cluster_ip))?;
+                if proto == IPPROTO_TCP { self.tcp.push(vip) } else { self.udp.push(vip) }
+            }
+        }
+        self.count = count;
+        Ok(())
+    }
+}
+
+fn clear_conntrack(maps: &mut Maps) -> Result<()> {
+    let keys: Vec<CtKey> = maps.conntrack.keys().collect::<Result<_, _>>()?;
+    for k in &keys {
+        maps.conntrack.remove(k)?;
+    }
+    Ok(())
+}
+
+fn proto_name(proto: u8) -> &'static str {
+    if proto == IPPROTO_TCP { "TCP" } else { "UDP" }
+}
+
+/// The ping-pong pair: A's endpoint is B and B's is A (ports 80 <-> 8080,
+/// 53 <-> 5353).
+const PING_VIP: [u8; 4] = [10, 95, 255, 1];
+const PONG_VIP: [u8; 4] = [10, 95, 255, 2];
+
+fn client_of(n: u32) -> ([u8; 4], u16) {
+    ((u32::from_be_bytes([10, 200, 0, 0]) + n / 50_000).to_be_bytes(), 10_000 + (n % 50_000) as u16)
+}
+
+/// A frame to the ping Service run `repeat` times: two new flows (ping, then
+/// pong), then established ones; the kernel's average per run.
+fn steady(ebpf: &Ebpf, maps: &Maps, proto: u8, client: u32, repeat: u32) -> Result<f64> {
+    let port = if proto == IPPROTO_TCP { TCP_PORT } else { UDP_PORT };
+    let f = frame(proto, client_of(client), (PING_VIP, port));
+    let before = maps.read_counters()?;
+    let prog: &SchedClassifier = ebpf.program(TC_INGRESS).unwrap().try_into()?;
+    let mut out = vec![0u8; f.len() + 64];
+    let res = prog.test_run(TestRunOptions { data_in: Some(&f), data_out: Some(&mut out), repeat, ..TestRunOptions::new() })?;
+    ensure!(res.return_value == TC_ACT_OK, "ping-pong Services verdict {:#x}", res.return_value);
+    let after = maps.read_counters()?;
+    let moved = |c: Counter| after[c as usize] - before[c as usize];
+    ensure!(
+        moved(Counter::NewFlow) == 2 && moved(Counter::Established) == u64::from(repeat) - 2,
+        "ping-pong Services: {} new and {} established runs, want 2 and {}",
+        moved(Counter::NewFlow),
+        moved(Counter::Established),
+        repeat - 2
+    );
+    Ok(res.duration.as_nanos() as f64)
+}
+
+fn floor(ebpf: &Ebpf, samples: usize) -> Result<Vec<f64>> {
+    let arp = arp_frame();
+    let mut ns = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        let (verdict, d) = test_run(ebpf, &arp)?;
+        ensure!(verdict == TC_ACT_UNSPEC, "ARP frame verdict {verdict:#x}");
+        ns.push(d.as_nanos() as f64);
+    }
+    Ok(ns)
+}
+
+fn test_run(ebpf: &Ebpf, frame: &[u8]) -> Result<(u32, Duration)> {
+    let prog: &SchedClassifier = ebpf.program(TC_INGRESS).unwrap().try_into()?;
+    let mut out = vec![0u8; frame.len() + 64];
+    let res = prog.test_run(TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ..TestRunOptions::new() })?;
+    Ok((res.return_value, res.duration))
+}
+
+const MAC_SRC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+const MAC_DST: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
+
+/// A TCP segment with ACK (the same frame serves the first packet and the
+/// ones after it) or a UDP datagram, 32 bytes of payload.
+fn frame(proto: u8, src: ([u8; 4], u16), dst: ([u8; 4], u16)) -> Vec<u8> {
+    let payload = [0x5au8; 32];
+    let mut v = Vec::new();
+    let ip = PacketBuilder::ethernet2(MAC_SRC, MAC_DST).ipv4(src.0, dst.0, 64);
+    if proto == IPPROTO_TCP {
+        let mut h = TcpHeader::new(src.1, dst.1, 1_000_000, 64240);
+        h.ack = true;
+        h.acknowledgment_number = 1;
+        ip.tcp_header(h).write(&mut v, &payload).unwrap();
+    } else {
+        ip.udp(src.1, dst.1).write(&mut v, &payload).unwrap();
+    }
+    v
+}
+
+fn arp_frame() -> Vec<u8> {
+    let mut f = Vec::new();
+    f.extend_from_slice(&[0xff; 6]);
+    f.extend_from_slice(&MAC_SRC);
+    f.extend_from_slice(&0x0806u16.to_be_bytes());
+    f.extend_from_slice(&[0, 1, 0x08, 0x00, 6, 4, 0, 1]);
+    f.extend_from_slice(&MAC_SRC);
+    f.extend_from_slice(&[10, 200, 0, 1]);
+    f.extend_from_slice(&[0; 6]);
+    f.extend_from_slice(&[10, 96, 0, 1]);
+    f
+}
+
+pub fn median(v: &[f64]) -> f64 {
+    percentile(v, 0.5)
+}
+
+pub fn percentile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[((s.len() - 1) as f64 * q).round() as usize]
+}

@@ -1,0 +1,102 @@
+//! `cargo xtask bench`: measures ebpf-proxy against its peers in one run and
+//! writes docs/benchmarks.md with its figures under docs/bench/. Needs root.
+//!
+//! One module per family: `micro` (BPF_PROG_TEST_RUN), `traffic` (real
+//! traffic in namespaces, with the kube-proxy rule sets and no proxy beside
+//! it), `control` (sync time, change latency, memory); `report` writes the
+//! page and `plot` the figures.
+
+mod control;
+mod micro;
+mod plot;
+mod report;
+mod traffic;
+
+use std::{path::PathBuf, process::ExitCode, time::Duration};
+
+use anyhow::{Result, ensure};
+use clap::{Args, ValueEnum};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Family {
+    Micro,
+    Traffic,
+    Control,
+}
+
+#[derive(Args, Debug)]
+pub struct Options {
+    /// Run only these families (comma-separated); default: all.
+    #[arg(long, value_delimiter = ',', value_name = "FAMILY[,FAMILY]")]
+    only: Vec<Family>,
+    /// Shorter windows and fewer samples: a smoke run, not numbers to publish.
+    #[arg(long)]
+    quick: bool,
+    /// Where benchmarks.md and bench/*.svg go.
+    #[arg(long, value_name = "DIR", default_value = "docs")]
+    out: PathBuf,
+}
+
+/// What one invocation measured.
+#[derive(Default)]
+pub struct Measured {
+    pub micro: Option<micro::Results>,
+    pub traffic: Option<traffic::Results>,
+    pub control: Option<control::Results>,
+    pub command: String,
+    pub wall: Duration,
+}
+
+pub fn run(opts: &Options) -> Result<ExitCode> {
+    ensure!(proxy_tests::is_root(), "benchmarks need root (BPF, network namespaces)");
+    let started = std::time::Instant::now();
+    let wants = |f: Family| opts.only.is_empty() || opts.only.contains(&f);
+    let bin = crate::cargo::build_agent(true)?;
+    // The tests' helpers start the agent named by this variable; set before
+    // any thread exists.
+    unsafe { std::env::set_var("EBPF_PROXY_BIN", &bin) };
+    let work = tempfile_dir()?;
+
+    let mut m = Measured { command: command_line(opts), ..Measured::default() };
+    if wants(Family::Micro) {
+        eprintln!("==> datapath micro-benchmark");
+        let (samples, repeat) = if opts.quick { (500, 10_000) } else { (10_000, 1_000_000) };
+        m.micro = Some(micro::run(samples, repeat)?);
+    }
+    if wants(Family::Traffic) {
+        eprintln!("==> real traffic");
+        let (warmup, window, rounds) = if opts.quick {
+            (Duration::from_millis(200), Duration::from_millis(500), 1)
+        } else {
+            (Duration::from_millis(300), Duration::from_millis(1500), 3)
+        };
+        m.traffic = Some(traffic::run(work.path(), warmup, window, rounds)?);
+    }
+    if wants(Family::Control) {
+        eprintln!("==> control plane");
+        m.control = Some(control::run(work.path(), if opts.quick { 10 } else { 50 })?);
+    }
+    m.wall = started.elapsed();
+    let out = crate::cargo::workspace_root().join(&opts.out);
+    report::write(&out, &m)?;
+    eprintln!("==> wrote {} ({:.0}s)", out.join("benchmarks.md").display(), m.wall.as_secs_f64());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn command_line(opts: &Options) -> String {
+    let mut s = String::from("./x bench");
+    if !opts.only.is_empty() {
+        let names: Vec<String> =
+            opts.only.iter().map(|f| f.to_possible_value().unwrap().get_name().to_string()).collect();
+        s.push_str(&format!(" --only {}", names.join(",")));
+    }
+    if opts.quick {
+        s.push_str(" --quick");
+    }
+    s
+}
+
+/// Scratch space for manifests and rule files, removed at the end.
+fn tempfile_dir() -> Result<tempfile::TempDir> {
+    Ok(tempfile::Builder::new().prefix("ebpf-proxy-bench-").tempdir()?)
+}
