@@ -159,20 +159,7 @@ async fn answer(State((check, health)): State<(Arc<RwLock<Check>>, Health)>) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::{self, Object};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-    fn snapshot(yaml: &str) -> Snapshot {
-        let mut snap = Snapshot::default();
-        for obj in manifest::parse(std::path::Path::new("t.yaml"), yaml).unwrap() {
-            match obj {
-                Object::Service(s) => snap.services.push(*s),
-                Object::EndpointSlice(s) => snap.slices.push(*s),
-                Object::Node(n) => snap.node = Some(*n),
-            }
-        }
-        snap
-    }
 
     fn services(port: u16) -> String {
         format!(
@@ -216,7 +203,7 @@ endpoints:
 
     #[test]
     fn one_check_per_local_policy_service_counting_local_ready_addresses() {
-        let snap = snapshot(&services(32000));
+        let snap = Snapshot::from_yaml(&services(32000));
         let want = wanted(&snap, &cfg("node-a"));
         let check = Check { namespace: "shop".into(), name: "lb".into(), local_endpoints: 2 };
         assert_eq!(want, BTreeMap::from([(32000, check)]), "eTP=Cluster gets no check; terminating and remote endpoints do not count");
@@ -245,7 +232,7 @@ endpoints:
         let health = Health::with_timeout(std::time::Duration::ZERO);
         health.sync_succeeded();
         let mut servers = HealthCheckServers::new([127, 0, 0, 1].into(), health.clone());
-        let snap = snapshot(&services(port));
+        let snap = Snapshot::from_yaml(&services(port));
 
         servers.sync(&wanted(&snap, &cfg("node-a"))).await;
         assert_eq!(servers.ports(), [port]);

@@ -375,21 +375,8 @@ pub async fn serve(addr: SocketAddr, metrics: Metrics) -> Result<tokio::task::Jo
 mod tests {
     use super::*;
     use crate::{
-        manifest::{self, Object},
         model::{self, ModelConfig},
     };
-
-    fn snapshot(yaml: &str) -> Snapshot {
-        let mut snap = Snapshot::default();
-        for obj in manifest::parse(Path::new("t.yaml"), yaml).unwrap() {
-            match obj {
-                Object::Service(s) => snap.services.push(*s),
-                Object::EndpointSlice(s) => snap.slices.push(*s),
-                Object::Node(n) => snap.node = Some(*n),
-            }
-        }
-        snap
-    }
 
     const BAD: &str = r#"
 apiVersion: v1
@@ -425,7 +412,7 @@ endpoints: []
 
     #[test]
     fn every_problem_the_model_reports_has_a_class_and_is_counted() {
-        let (_, errors) = model::build(&snapshot(BAD), &ModelConfig { node_name: "n".into(), ..Default::default() });
+        let (_, errors) = model::build(&Snapshot::from_yaml(BAD), &ModelConfig { node_name: "n".into(), ..Default::default() });
         assert!(errors.len() >= 5, "{errors:?}");
         for e in &errors {
             assert_ne!(classify(e).1, "other", "unclassified: {e}");
@@ -458,10 +445,10 @@ endpoints: []
             )
         };
         let mut tt = TriggerTimes::new(start);
-        let snap = snapshot(&(slice("old", "2025-12-31T23:59:00Z") + &slice("new", "2026-01-01T00:00:05Z")));
+        let snap = Snapshot::from_yaml(&(slice("old", "2025-12-31T23:59:00Z") + &slice("new", "2026-01-01T00:00:05Z")));
         assert_eq!(tt.new_in(&snap).len(), 1, "only the change after start");
         assert!(tt.new_in(&snap).is_empty(), "the same change is not counted twice");
-        let snap = snapshot(&(slice("old", "2026-01-01T00:00:09Z") + &slice("new", "2026-01-01T00:00:05Z")));
+        let snap = Snapshot::from_yaml(&(slice("old", "2026-01-01T00:00:09Z") + &slice("new", "2026-01-01T00:00:05Z")));
         assert_eq!(tt.new_in(&snap).len(), 1);
     }
 

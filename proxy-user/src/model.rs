@@ -502,19 +502,6 @@ pub fn backend_states(state: &DesiredState) -> BTreeMap<(IpAddr, u16, u8), u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::{self, Object};
-
-    fn snapshot(yaml: &str) -> Snapshot {
-        let mut snap = Snapshot::default();
-        for obj in manifest::parse(std::path::Path::new("t.yaml"), yaml).unwrap() {
-            match obj {
-                Object::Service(s) => snap.services.push(*s),
-                Object::EndpointSlice(s) => snap.slices.push(*s),
-                Object::Node(n) => snap.node = Some(*n),
-            }
-        }
-        snap
-    }
 
     fn cfg() -> ModelConfig {
         ModelConfig { node_name: "node-a".into(), ..Default::default() }
@@ -560,7 +547,7 @@ endpoints:
 
     #[test]
     fn cluster_ip_ports_get_ready_endpoints_from_all_slices_once() {
-        let (state, errors) = build(&snapshot(WEB), &cfg());
+        let (state, errors) = build(&Snapshot::from_yaml(WEB), &cfg());
         // 10.244.0.11 is in both slices: served once, reported once per port.
         let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
         assert_eq!(text, [
@@ -589,7 +576,7 @@ endpoints:
             "- {addresses: [10.244.0.13], conditions: {ready: false, serving: true, terminating: true}}",
         )
         .replace("- {addresses: [10.244.0.11], nodeName: node-a}\n", "");
-        let (state, _) = build(&snapshot(&yaml), &cfg());
+        let (state, _) = build(&Snapshot::from_yaml(&yaml), &cfg());
         assert_eq!(backends_of(&state, "shop/web:http"), ["10.244.0.13:8080"]);
     }
 
@@ -616,7 +603,7 @@ kind: Service
 metadata: {name: badport, namespace: a}
 spec: {clusterIP: 10.96.0.7, ports: [{name: a, port: 70000}, {name: b, port: 81, protocol: ICMP}, {name: c, port: 82}]}
 "#;
-        let (state, errors) = build(&snapshot(yaml), &cfg());
+        let (state, errors) = build(&Snapshot::from_yaml(yaml), &cfg());
         let names: BTreeSet<String> = state.frontends.values().map(|f| f.set.service.to_string()).collect();
         assert_eq!(names, BTreeSet::from(["a/badport:c".to_string()]));
         let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
@@ -646,7 +633,7 @@ ports: [{name: m3ua, port: 3905, protocol: SCTP}, {name: web, port: 8080, protoc
 endpoints:
 - {addresses: [10.244.0.21]}
 "#;
-        let (state, errors) = build(&snapshot(yaml), &cfg());
+        let (state, errors) = build(&Snapshot::from_yaml(yaml), &cfg());
         assert!(errors.is_empty(), "{errors:?}");
         let addr = Addr::from("10.96.0.30".parse::<IpAddr>().unwrap());
         let sctp = FrontendKey { addr, port: 2905u16.to_be(), proto: IPPROTO_SCTP, scope: SCOPE_INTERNAL };
@@ -663,7 +650,7 @@ endpoints:
     #[test]
     fn service_without_endpoints_has_an_empty_set() {
         let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: lonely, namespace: a}\nspec: {clusterIP: 10.96.0.9, ports: [{port: 80}]}\n";
-        let (state, _) = build(&snapshot(yaml), &cfg());
+        let (state, _) = build(&Snapshot::from_yaml(yaml), &cfg());
         assert_eq!(state.frontends.len(), 2);
         assert!(state.backend_sets.values().all(Vec::is_empty));
         // No endpoint anywhere: REJECT, not DROP.
@@ -728,7 +715,7 @@ endpoints:
 
     #[test]
     fn external_traffic_policy_cluster_masquerades_every_external_frontend() {
-        let (state, errors) = build(&snapshot(&lb("externalTrafficPolicy: Cluster", true)), &node_cfg());
+        let (state, errors) = build(&Snapshot::from_yaml(&lb("externalTrafficPolicy: Cluster", true)), &node_cfg());
         assert!(errors.is_empty(), "{errors:?}");
         let both = vec!["10.180.0.1".to_string(), "10.180.0.2".to_string()];
         for (ip, port, kind) in [(NODE_IP, 30080, KIND_NODE_PORT), ("192.168.99.22", 80, KIND_EXTERNAL_IP), ("1.2.3.4", 80, KIND_LOAD_BALANCER)] {
@@ -744,7 +731,7 @@ endpoints:
 
     #[test]
     fn external_traffic_policy_local_keeps_the_client_and_short_circuits_pods() {
-        let (state, _) = build(&snapshot(&lb("externalTrafficPolicy: Local", true)), &node_cfg());
+        let (state, _) = build(&Snapshot::from_yaml(&lb("externalTrafficPolicy: Local", true)), &node_cfg());
         let local = vec!["10.180.0.1".to_string()];
         let both = vec!["10.180.0.1".to_string(), "10.180.0.2".to_string()];
         assert_eq!(
@@ -752,7 +739,7 @@ endpoints:
             vec![(KIND_LOAD_BALANCER, SCOPE_INTERNAL, both, 0), (KIND_LOAD_BALANCER, SCOPE_EXTERNAL, local, 0)]
         );
         // No local endpoint: external sources are dropped, pods still served.
-        let (state, _) = build(&snapshot(&lb("externalTrafficPolicy: Local", false)), &node_cfg());
+        let (state, _) = build(&Snapshot::from_yaml(&lb("externalTrafficPolicy: Local", false)), &node_cfg());
         let got = frontends_at(&state, NODE_IP, 30080);
         assert_eq!(got[0], (KIND_NODE_PORT, SCOPE_INTERNAL, vec!["10.180.0.2".to_string()], 0));
         assert_eq!(got[1], (KIND_NODE_PORT, SCOPE_EXTERNAL, vec![], SVC_DROP_IF_EMPTY));
@@ -762,19 +749,19 @@ endpoints:
     fn local_policies_fall_back_to_local_serving_terminating_endpoints() {
         let yaml = lb("internalTrafficPolicy: Local", false)
             .replace("conditions: {ready: false}", "conditions: {ready: false, serving: true, terminating: true}");
-        let (state, _) = build(&snapshot(&yaml), &node_cfg());
+        let (state, _) = build(&Snapshot::from_yaml(&yaml), &node_cfg());
         let got = frontends_at(&state, "172.30.0.42", 80);
         assert_eq!(got[0], (KIND_CLUSTER_IP, SCOPE_INTERNAL, vec!["10.180.0.1".to_string()], 0));
         // With nothing local at all, internal traffic is dropped (endpoints exist elsewhere).
         let yaml = lb("internalTrafficPolicy: Local", false);
-        let (state, _) = build(&snapshot(&yaml), &node_cfg());
+        let (state, _) = build(&Snapshot::from_yaml(&yaml), &node_cfg());
         assert_eq!(frontends_at(&state, "172.30.0.42", 80)[0], (KIND_CLUSTER_IP, SCOPE_INTERNAL, vec![], SVC_DROP_IF_EMPTY));
     }
 
     #[test]
     fn source_ranges_guard_load_balancer_ips_only_and_affinity_defaults() {
         let extra = "loadBalancerSourceRanges: [' 203.0.113.0/25', bogus]\n  sessionAffinity: ClientIP";
-        let (state, errors) = build(&snapshot(&lb(extra, true)), &node_cfg());
+        let (state, errors) = build(&Snapshot::from_yaml(&lb(extra, true)), &node_cfg());
         assert!(errors.iter().any(|e| e.reason.contains("bogus")), "{errors:?}");
         for (_, f) in state.frontends.iter() {
             assert_eq!(f.flags & SVC_SOURCE_RANGES != 0, f.kind == KIND_LOAD_BALANCER, "{f:?}");

@@ -195,7 +195,6 @@ mod tests {
     #[test]
     fn the_model_routes_cluster_traffic_by_zone() {
         use crate::{
-            manifest::{self, Object},
             model::{self, ModelConfig},
             source::Snapshot,
         };
@@ -219,14 +218,7 @@ apiVersion: v1
 kind: Node
 metadata: {name: node-a, labels: {topology.kubernetes.io/zone: zone-a}}
 "#;
-        let mut snap = Snapshot::default();
-        for obj in manifest::parse(std::path::Path::new("t.yaml"), yaml).unwrap() {
-            match obj {
-                Object::Service(s) => snap.services.push(*s),
-                Object::EndpointSlice(s) => snap.slices.push(*s),
-                Object::Node(n) => snap.node = Some(*n),
-            }
-        }
+        let mut snap = Snapshot::from_yaml(yaml);
         let config = ModelConfig { node_name: "node-a".into(), ..Default::default() };
         let backends = |snap: &Snapshot| -> Vec<String> {
             let (state, errors) = model::build(snap, &config);

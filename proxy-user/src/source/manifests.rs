@@ -91,11 +91,7 @@ impl DirState {
     pub fn snapshot(&self) -> Snapshot {
         let mut snap = Snapshot::default();
         for obj in self.files.values().flat_map(|f| f.objects.iter()) {
-            match obj {
-                Object::Service(s) => snap.services.push((**s).clone()),
-                Object::EndpointSlice(s) => snap.slices.push((**s).clone()),
-                Object::Node(n) => snap.node = Some((**n).clone()),
-            }
+            snap.add(obj);
         }
         snap
     }

@@ -10,11 +10,34 @@ use std::sync::Arc;
 use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
 use tokio::sync::watch;
 
+use crate::manifest::Object;
+
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
     pub services: Vec<Service>,
     pub slices: Vec<EndpointSlice>,
     pub node: Option<Node>,
+}
+
+impl Snapshot {
+    /// Files a parsed object under its kind (a later Node replaces an earlier one).
+    pub fn add(&mut self, obj: &Object) {
+        match obj {
+            Object::Service(s) => self.services.push((**s).clone()),
+            Object::EndpointSlice(s) => self.slices.push((**s).clone()),
+            Object::Node(n) => self.node = Some((**n).clone()),
+        }
+    }
+
+    /// The objects of one YAML text, for unit tests of what consumes snapshots.
+    #[cfg(test)]
+    pub fn from_yaml(yaml: &str) -> Snapshot {
+        let mut snap = Snapshot::default();
+        for obj in crate::manifest::parse(std::path::Path::new("t.yaml"), yaml).unwrap() {
+            snap.add(&obj);
+        }
+        snap
+    }
 }
 
 /// The newest snapshot; `None` until the source's first complete read.
