@@ -156,15 +156,16 @@ struct Row {
 
 /// Runs the cases in order and fails with the whole table if any failed.
 /// `recheck(out, want)` verifies a translated frame independently of the
-/// program (checksums recomputed by a reference); `diff` names the bytes
-/// that differ.
+/// program (checksums recomputed by a reference); `field(offset)` names the
+/// header field at a byte offset, for the report of bytes that differ.
 pub fn run_table(
     fx: &Fixture,
     title: &str,
     cases: Vec<Case>,
     recheck: fn(&[u8], &[u8]) -> Result<(), String>,
-    diff: fn(&[u8], &[u8]) -> String,
+    field: fn(usize) -> &'static str,
 ) {
+    let diff = |want: &[u8], got: &[u8]| diff(want, got, field);
     let mut rows = Vec::new();
     for case in cases {
         let before = fx.counters();
@@ -209,6 +210,22 @@ pub fn run_table(
     println!("{report}");
     let failed = rows.iter().filter(|r| !r.problems.is_empty()).count();
     assert_eq!(failed, 0, "{failed} of {} {title} fixtures failed\n{report}", rows.len());
+}
+
+/// The differing bytes (the first 12), each named by `field`.
+fn diff(want: &[u8], got: &[u8], field: fn(usize) -> &'static str) -> String {
+    let mut parts = Vec::new();
+    if want.len() != got.len() {
+        parts.push(format!("length {} (want {})", got.len(), want.len()));
+    }
+    let offs: Vec<usize> = (0..want.len().min(got.len())).filter(|&i| want[i] != got[i]).collect();
+    for &i in offs.iter().take(12) {
+        parts.push(format!("byte {i} [{}] {:#04x} (want {:#04x})", field(i), got[i], want[i]));
+    }
+    if offs.len() > 12 {
+        parts.push(format!("... {} bytes differ", offs.len()));
+    }
+    parts.join(", ")
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

@@ -346,20 +346,20 @@ fn untouched_cases() -> Vec<Case> {
 #[test]
 fn translation_fixtures() {
     let fx = Fixture::new("fixtures-xlate", install_services).unwrap();
-    run_table(&fx, "translation", translation_cases(), recheck_checksums, diff);
+    run_table(&fx, "translation", translation_cases(), recheck_checksums, field);
 }
 
 #[test]
 fn verdict_fixtures() {
     let mut fx = Fixture::new("fixtures-verdict", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
-    run_table(&fx, "verdict", verdict_cases(), recheck_checksums, diff);
+    run_table(&fx, "verdict", verdict_cases(), recheck_checksums, field);
 }
 
 #[test]
 fn untouched_fixtures() {
     let fx = Fixture::new("fixtures-untouched", install_services).unwrap();
-    run_table(&fx, "left untouched", untouched_cases(), recheck_checksums, diff);
+    run_table(&fx, "left untouched", untouched_cases(), recheck_checksums, field);
     let flows = fx.maps.conntrack.keys().count();
     assert_eq!(flows, 0, "untouched frames created {flows} conntrack entries");
 }
@@ -497,22 +497,7 @@ fn udp_checksum(frame: &[u8]) -> Option<u16> {
     }
 }
 
-/// The differing bytes, named by field for an Ethernet/IPv4(no options)/L4 frame.
-fn diff(want: &[u8], got: &[u8]) -> String {
-    let mut parts = Vec::new();
-    if want.len() != got.len() {
-        parts.push(format!("length {} (want {})", got.len(), want.len()));
-    }
-    let offs: Vec<usize> = (0..want.len().min(got.len())).filter(|&i| want[i] != got[i]).collect();
-    for &i in offs.iter().take(12) {
-        parts.push(format!("byte {i} [{}] {:#04x} (want {:#04x})", field(i), got[i], want[i]));
-    }
-    if offs.len() > 12 {
-        parts.push(format!("... {} bytes differ", offs.len()));
-    }
-    parts.join(", ")
-}
-
+/// The header field at a byte offset of an Ethernet/IPv4 (no options) frame.
 fn field(off: usize) -> &'static str {
     match off {
         0..=13 => "eth",
