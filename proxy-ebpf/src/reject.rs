@@ -71,7 +71,7 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<i32, i64> {
     // Probe before the final write, on the frame's own checksum field.
     let partial = pkt.tuple.proto == IPPROTO_TCP && {
         ctx.change_tail(len as u32, 0)?;
-        checksum_is_partial(ctx, TCP_CSUM_OFF)?
+        crate::skb::checksum_is_partial(ctx, TCP_CSUM_OFF)?
     };
     // Stores of a fixed size, within the new length.
     if pkt.tuple.proto == IPPROTO_TCP {
@@ -138,19 +138,6 @@ fn icmp_unreachable(ctx: &TcContext, buf: &mut [u8; OUT_LEN], orig_ip: &[u8; IPV
     let csum = !fold(sum(&buf[icmp..icmp + ICMP_HLEN + QUOTE_LEN], 0));
     buf[icmp + 2..icmp + 4].copy_from_slice(&csum.to_be_bytes());
     Ok(ETH_HLEN + ICMP_L3_LEN)
-}
-
-/// Whether the skb is CHECKSUM_PARTIAL (the rest of its checksum will be
-/// computed on the way out). TC programs cannot read `ip_summed`, but the
-/// kernel's l4 checksum helper leaves a partial packet's field untouched
-/// unless the pseudo-header changes: change a test value and look. The
-/// field at `off` is overwritten afterwards by the caller.
-#[inline(always)]
-pub fn checksum_is_partial(ctx: &TcContext, off: usize) -> Result<bool, i64> {
-    const PROBE: u16 = 0x1234;
-    ctx.store(off, &PROBE, 0)?;
-    ctx.l4_csum_replace(off, 0, 1, 2)?;
-    Ok(ctx.load::<u16>(off)? == PROBE)
 }
 
 /// One's complement sum of 16-bit words, unfolded.

@@ -10,14 +10,14 @@
 //! `skb->ip_summed == CHECKSUM_PARTIAL`, as with SCTP CRC offload on a
 //! locally sent packet — carries no CRC yet, and that later computation
 //! runs over the field as it stands: patching it would plant an error. TC
-//! programs cannot read `ip_summed`; `reject::checksum_is_partial` tells by
+//! programs cannot read `ip_summed`; `skb::checksum_is_partial` tells by
 //! the l4 checksum helper's behaviour (it leaves a partial packet's field
 //! alone), on the CRC field itself, which is restored or rewritten after.
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::crc32c::update_port;
 
-use crate::{parse::Packet, reject::checksum_is_partial};
+use crate::{parse::Packet, skb::checksum_is_partial};
 
 /// Source port, destination port, verification tag, checksum.
 pub const COMMON_HEADER_LEN: usize = 12;
