@@ -15,6 +15,13 @@ pub fn lookup(tuple: &CtKey) -> Option<&CtEntry> {
     unsafe { CONNTRACK.get(tuple) }.filter(|e| is_live(e))
 }
 
+/// As `lookup`, writable, so the packet's path can `touch` the entry it found
+/// without a second lookup.
+#[inline(always)]
+pub fn lookup_mut(tuple: &CtKey) -> Option<&mut CtEntry> {
+    CONNTRACK.get_ptr_mut(tuple).map(|e| unsafe { &mut *e }).filter(|e| is_live(e))
+}
+
 #[inline(always)]
 fn is_live(e: &CtEntry) -> bool {
     e.flags & CT_CLOSING == 0 || unsafe { bpf_ktime_get_ns() }.saturating_sub(e.last_seen_ns) < CT_CLOSING_TIMEOUT_NS
@@ -22,14 +29,10 @@ fn is_live(e: &CtEntry) -> bool {
 
 /// Another packet of the flow; `closing` when it carries a FIN or RST.
 #[inline(always)]
-pub fn touch(tuple: &CtKey, closing: bool) {
-    if let Some(e) = CONNTRACK.get_ptr_mut(tuple) {
-        unsafe {
-            (*e).last_seen_ns = bpf_ktime_get_ns();
-            if closing {
-                (*e).flags |= CT_CLOSING;
-            }
-        }
+pub fn touch(e: &mut CtEntry, closing: bool) {
+    e.last_seen_ns = unsafe { bpf_ktime_get_ns() };
+    if closing {
+        e.flags |= CT_CLOSING;
     }
 }
 

@@ -75,13 +75,13 @@ mod program {
 
         // A known flow: one lookup finds its translation in either direction.
         // A SYN opens a new connection even where an old one left its entry.
-        let known = conntrack::lookup(&pkt.tuple).filter(|ct| !(ct.direction == CT_ORIGINAL && pkt.opens_connection()));
+        let known = conntrack::lookup_mut(&pkt.tuple).filter(|ct| !(ct.direction == CT_ORIGINAL && pkt.opens_connection()));
         if let Some(ct) = known {
             trace::record::<TRACE>(ct.service_id, ct.backend_id, trace::FROM_CONNTRACK);
             match ct.direction {
                 CT_REPLY => {
                     if !TRACE {
-                        conntrack::touch(&pkt.tuple, pkt.closes_connection());
+                        conntrack::touch(ct, pkt.closes_connection());
                     }
                     let mut done = Ok(());
                     if ct.flags & CT_MASQUERADE != 0 {
@@ -92,9 +92,9 @@ mod program {
                     set_mark(ctx, REVERSE_NAT_MARK);
                     return verdict::<TRACE>(done, Counter::Reply);
                 }
-                CT_ORIGINAL if lb::backend_still_matches(ct) => {
+                CT_ORIGINAL if lb::backend_still_matches(&*ct) => {
                     if !TRACE {
-                        conntrack::touch(&pkt.tuple, pkt.closes_connection());
+                        conntrack::touch(ct, pkt.closes_connection());
                     }
                     if ct.flags & CT_MASQUERADE != 0 {
                         set_mark(ctx, MASQUERADE_MARK);
