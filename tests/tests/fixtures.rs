@@ -90,6 +90,19 @@ fn translation_cases() -> Vec<Case> {
             tcp_data(client, backend_http, data),
             Counter::Established,
         ),
+        Case::translated(
+            "TCP FIN, same flow: established, and the entry is marked closing",
+            tcp_fin(client, vip_http),
+            tcp_fin(client, backend_http),
+            Counter::Established,
+        )
+        .then(original_entry_is_closing),
+        Case::translated(
+            "TCP SYN again on the same tuple: a new flow (the backend is chosen again), not the old entry",
+            tcp_syn(client, vip_http),
+            tcp_syn(client, backend_http),
+            Counter::NewFlow,
+        ),
         Case::new(
             "TCP reply 10.244.0.11:8080 -> 10.244.0.2:40000: recognised at ingress, marked for egress",
             tcp_data(backend_http, client, b"HTTP/1.1 200 OK\r\n\r\n"),
@@ -377,6 +390,15 @@ fn ct_key(src: Endpoint, dst: Endpoint, proto: u8) -> CtKey {
     }
 }
 
+fn original_entry_is_closing(maps: &Maps) -> Result<(), String> {
+    let key = ct_key((CLIENT, 40000), (VIP, 80), IPPROTO_TCP);
+    let e = maps.conntrack.get(&key, 0).map_err(|e| format!("conntrack {key:?}: {e}"))?;
+    if e.flags & CT_CLOSING == 0 {
+        return Err(format!("ORIGINAL entry after a FIN has flags {:#x}, want CT_CLOSING", e.flags));
+    }
+    Ok(())
+}
+
 fn conntrack_has_both_directions(maps: &Maps) -> Result<(), String> {
     let get = |key: &CtKey| maps.conntrack.get(key, 0).map_err(|e| format!("conntrack {key:?}: {e}"));
     let orig = get(&ct_key((CLIENT, 40000), (VIP, 80), IPPROTO_TCP))?;
@@ -547,6 +569,20 @@ fn tcp_data(src: Endpoint, dst: Endpoint, payload: &[u8]) -> Vec<u8> {
             .ipv4(src.0, dst.0, 64)
             .tcp_header(h)
             .write(v, payload)
+            .unwrap()
+    })
+}
+
+fn tcp_fin(src: Endpoint, dst: Endpoint) -> Vec<u8> {
+    let mut h = TcpHeader::new(src.1, dst.1, 1_000_100, 502);
+    h.ack = true;
+    h.fin = true;
+    h.acknowledgment_number = 2_000_001;
+    build(|v| {
+        PacketBuilder::ethernet2(MAC_SRC, MAC_DST)
+            .ipv4(src.0, dst.0, 64)
+            .tcp_header(h)
+            .write(v, &[])
             .unwrap()
     })
 }
