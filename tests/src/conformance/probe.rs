@@ -65,8 +65,15 @@ pub fn request(ns: &Netns, proto: Protocol, source: IpAddr, freebind: bool, dest
 /// One request from a process on the node: `netprobe` run in the node's
 /// namespace and cgroup, so the agent's socket hooks see it. The socket
 /// must show `dest` as its peer, as it would with kube-proxy's DNAT.
+/// A loopback source is not bound: a process dialling 127.0.0.1 gets that
+/// source from the route, which, after the hook's translation, is the route
+/// to the backend (iptables instead rewrites 127.0.0.1 with route_localnet).
 pub fn request_from_node(netprobe: &Path, cgroup: &Cgroup, ns: &Netns, proto: Protocol, source: IpAddr, dest: SocketAddr) -> Outcome {
-    let out = match cgroup.command(ns, netprobe).args([proto.to_string(), dest.to_string(), source.to_string()]).output() {
+    let mut args = vec![proto.to_string(), dest.to_string()];
+    if !source.is_loopback() {
+        args.push(source.to_string());
+    }
+    let out = match cgroup.command(ns, netprobe).args(args).output() {
         Ok(out) => out,
         Err(e) => return Outcome::Error(format!("run netprobe: {e}")),
     };

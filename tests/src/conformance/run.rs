@@ -77,6 +77,11 @@ pub fn agent_flags(setup: &Setup) -> Vec<String> {
     if setup.config.masquerade_all {
         flags.push("--masquerade-all".to_string());
     }
+    // Unset: kube-proxy's default (on; the nftables proxier has no such
+    // cases).
+    if let Some(on) = setup.config.localhost_node_ports {
+        flags.extend(["--localhost-nodeports".to_string(), on.to_string()]);
+    }
     flags
 }
 
