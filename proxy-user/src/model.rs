@@ -228,7 +228,7 @@ fn build_service(svc: &Service, slices: &[&EndpointSlice], config: &ModelConfig,
         let ips: Vec<&String> = ingress.into_iter().flatten().filter_map(|i| i.ip.as_ref()).collect();
         ctx.ipv4s("status.loadBalancer.ingress", ips)
     };
-    let source_ranges = parse_source_ranges(spec, ctx);
+    let source_ranges = admit_lb_ips_if_node_admitted(parse_source_ranges(spec, ctx), &lb_ips, &config.node_addresses);
     let policy = TrafficPolicy::of(spec);
 
     for (i, port) in spec.ports.iter().flatten().enumerate() {
@@ -375,6 +375,16 @@ fn parse_source_ranges(spec: &ServiceSpec, ctx: &mut ServiceCtx) -> Vec<IpNet> {
         }
     }
     out
+}
+
+/// kube-proxy's rule for a node reaching its own load balancer: the cloud LB
+/// hands that connection back SNATted to the LB IP, so ranges that admit a
+/// node address admit the LB IPs as sources too.
+fn admit_lb_ips_if_node_admitted(mut ranges: Vec<IpNet>, lb_ips: &[IpAddr], node_addresses: &[IpAddr]) -> Vec<IpNet> {
+    if ranges.iter().any(|net| node_addresses.iter().any(|ip| net.contains(ip))) {
+        ranges.extend(lb_ips.iter().map(|ip| IpNet::from(*ip)));
+    }
+    ranges
 }
 
 /// kube-proxy's CategorizeEndpoints: the cluster set (ready and in this
@@ -789,5 +799,16 @@ endpoints:
         }
         let nets: BTreeSet<String> = state.source_ranges.values().flatten().map(ToString::to_string).collect();
         assert_eq!(nets, BTreeSet::from(["203.0.113.0/25".to_string()]));
+    }
+
+    #[test]
+    fn source_ranges_admitting_the_node_admit_the_lb_ips_too() {
+        let ranges_of = |ranges: &str| {
+            let (state, _) = build(&Snapshot::from_yaml(&lb(&format!("loadBalancerSourceRanges: [{ranges}]"), true)), &node_cfg());
+            state.source_ranges.values().flatten().map(ToString::to_string).collect::<BTreeSet<String>>()
+        };
+        let with_node = ranges_of("192.168.0.0/24, 203.0.113.0/25");
+        assert_eq!(with_node, BTreeSet::from(["192.168.0.0/24", "203.0.113.0/25", "1.2.3.4/32"].map(String::from)));
+        assert_eq!(ranges_of("203.0.113.0/25"), BTreeSet::from(["203.0.113.0/25".to_string()]));
     }
 }

@@ -52,11 +52,10 @@ impl std::fmt::Display for Outcome {
 }
 
 /// Sends one request from `ns`, from `source` (any port), to `dest`.
-/// `freebind` lets the socket use a source the namespace does not hold.
-pub fn request(ns: &Netns, proto: Protocol, source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
+pub fn request(ns: &Netns, proto: Protocol, source: IpAddr, dest: SocketAddr) -> Outcome {
     let run = ns.run(move || match proto {
-        Protocol::TCP => tcp(source, freebind, dest),
-        Protocol::UDP => udp(source, freebind, dest),
+        Protocol::TCP => tcp(source, dest),
+        Protocol::UDP => udp(source, dest),
         Protocol::SCTP => Outcome::Error("SCTP is not probed with sockets here".into()),
     });
     run.unwrap_or_else(|e| Outcome::Error(e.to_string()))
@@ -94,11 +93,8 @@ pub fn request_from_node(netprobe: &Path, cgroup: &Cgroup, ns: &Netns, proto: Pr
     parse(reply)
 }
 
-fn socket(kind: Type, proto: SockProto, source: IpAddr, freebind: bool) -> std::io::Result<Socket> {
+fn socket(kind: Type, proto: SockProto, source: IpAddr) -> std::io::Result<Socket> {
     let s = Socket::new(Domain::for_address(SocketAddr::new(source, 0)), kind, Some(proto))?;
-    if freebind {
-        s.set_freebind_v4(true)?;
-    }
     s.bind(&SockAddr::from(SocketAddr::new(source, 0)))?;
     Ok(s)
 }
@@ -111,8 +107,8 @@ fn classify(e: &std::io::Error) -> Outcome {
     }
 }
 
-fn tcp(source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
-    let s = match socket(Type::STREAM, SockProto::TCP, source, freebind) {
+fn tcp(source: IpAddr, dest: SocketAddr) -> Outcome {
+    let s = match socket(Type::STREAM, SockProto::TCP, source) {
         Ok(s) => s,
         Err(e) => return Outcome::Error(format!("socket from {source}: {e}")),
     };
@@ -131,8 +127,8 @@ fn tcp(source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
     }
 }
 
-fn udp(source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
-    let s = match socket(Type::DGRAM, SockProto::UDP, source, freebind) {
+fn udp(source: IpAddr, dest: SocketAddr) -> Outcome {
+    let s = match socket(Type::DGRAM, SockProto::UDP, source) {
         Ok(s) => s,
         Err(e) => return Outcome::Error(format!("socket from {source}: {e}")),
     };
