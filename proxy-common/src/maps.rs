@@ -17,6 +17,7 @@ pub const MAP_SERVICE_CIDRS: &str = "SERVICE_CIDRS";
 pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
 pub const MAP_AFFINITY: &str = "AFFINITY";
 pub const MAP_SOCK_REVNAT: &str = "SOCK_REVNAT";
+pub const MAP_IPV6_PROGRAMS: &str = "IPV6_PROGRAMS";
 
 /// Loader-set globals of the BPF object: the source ports masqueraded flows
 /// may take (host order, inclusive). The agent puts them outside the node's
@@ -332,13 +333,22 @@ pub enum Counter {
     AffinityHit = 16,
     /// A reject could not be built: the packet was dropped instead.
     RejectFailed = 17,
+    /// IPv6 packet with extension headers before its L4 header: passed untouched.
+    ExtensionHeader = 18,
 }
 
-pub const COUNTER_NAMES: [&str; 18] = [
+/// Slots of the IPv6 program array: which IPv6 program each IPv4 program
+/// hands IPv6 frames to (the loader fills it with `<name>6`).
+pub const IPV6_PROG_INGRESS: u32 = 0;
+pub const IPV6_PROG_EGRESS: u32 = 1;
+pub const IPV6_PROG_TRACE: u32 = 2;
+pub const IPV6_PROG_COUNT: u32 = 3;
+
+pub const COUNTER_NAMES: [&str; 19] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",
     "fragment", "rebalanced", "rewrite_failed", "rejected", "drop_unallocated",
     "drop_source_range", "drop_no_local", "masqueraded", "snat_failed", "affinity_hit",
-    "reject_failed",
+    "reject_failed", "extension_header",
 ];
 pub const MAX_COUNTERS: u32 = COUNTER_NAMES.len() as u32;
 

@@ -4,7 +4,7 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
 };
 use proxy_common::*;
 
@@ -63,6 +63,12 @@ pub static TRACE_REPORT: Array<TraceReport> = Array::with_max_entries(1, 0);
 #[map]
 pub static SERVICE_NAMES: HashMap<u32, ServiceName> =
     HashMap::pinned(MAX_SERVICE_NAMES, BPF_F_NO_PREALLOC);
+
+/// The IPv6 programs (`IPV6_PROG_*`), which the IPv4 ones tail-call for an
+/// IPv6 frame. Pinned: an unpinned program array is emptied when the agent
+/// that filled it exits, and the pinned TC links outlive the agent.
+#[map]
+pub static IPV6_PROGRAMS: ProgramArray = ProgramArray::pinned(IPV6_PROG_COUNT, 0);
 
 #[map]
 pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::pinned(MAX_COUNTERS, 0);

@@ -18,12 +18,18 @@ const IP_DST_OFF: usize = 16;
 /// Client -> frontend becomes client -> backend.
 #[inline(always)]
 pub fn rewrite_dst(ctx: &TcContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
+    if pkt.v6 {
+        return crate::nat6::rewrite_dst(ctx, pkt, addr, port);
+    }
     rewrite(ctx, pkt, IP_DST_OFF, &pkt.tuple.dst, addr, 2, pkt.tuple.dport, port)
 }
 
 /// Backend -> client becomes frontend -> client.
 #[inline(always)]
 pub fn rewrite_src(ctx: &TcContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
+    if pkt.v6 {
+        return crate::nat6::rewrite_src(ctx, pkt, addr, port);
+    }
     rewrite(ctx, pkt, IP_SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
 }
 

@@ -1,10 +1,11 @@
 //! Header parsing with bounds checks. Anything we cannot fully read — short,
-//! malformed, fragmented, not IPv4 TCP/UDP/SCTP — is reported, never guessed at.
+//! malformed, fragmented, not TCP/UDP/SCTP — is reported, never guessed at.
+//! IPv6 is parsed in `parse6`, by the IPv6 programs.
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
-const ETH_HLEN: usize = 14;
+pub const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const IP_MF_AND_OFFSET: u16 = 0x3fff;
 
@@ -21,6 +22,8 @@ pub struct Packet {
     pub proto: u8,
     /// TCP flags (0 for other protocols).
     pub tcp_flags: u8,
+    /// An IPv6 packet: the addresses are 16 bytes at `parse6`'s offsets.
+    pub v6: bool,
 }
 
 pub const TCP_FIN: u8 = 0x01;
@@ -97,5 +100,6 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
         l4_end: l3_off + total_len,
         proto,
         tcp_flags,
+        v6: false,
     })
 }

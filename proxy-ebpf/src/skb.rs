@@ -31,3 +31,11 @@ pub fn checksum_is_partial(ctx: &TcContext, off: usize) -> Result<bool, i64> {
     ctx.l4_csum_replace(off, 0, 1, 2)?;
     Ok(ctx.load::<u16>(off)? == PROBE)
 }
+
+/// An IPv6 frame, by `skb->protocol` (set by the kernel from the Ethernet
+/// header): one context load, so the IPv4 path pays no packet read for it.
+#[inline(always)]
+pub fn is_ipv6(ctx: &TcContext) -> bool {
+    const ETH_P_IPV6: u16 = 0x86dd;
+    unsafe { (*raw(ctx)).protocol == ETH_P_IPV6.to_be() as u32 }
+}

@@ -43,11 +43,7 @@ pub struct Attacher {
 impl Attacher {
     pub fn new(mut ebpf: Ebpf, root: &Path, devices: Option<Vec<String>>) -> Result<Self> {
         for (program, _, _) in HOOKS {
-            let prog: &mut SchedClassifier = ebpf
-                .program_mut(program)
-                .with_context(|| format!("TC program {program} missing from the BPF object"))?
-                .try_into()?;
-            prog.load().map_err(|e| anyhow::anyhow!("the kernel rejected the TC program {program}: {e}"))?;
+            crate::maps::load_tc(&mut ebpf, program)?;
         }
         let links = links_dir(root);
         std::fs::create_dir_all(&links).with_context(|| format!("create {}", links.display()))?;

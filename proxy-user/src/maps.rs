@@ -10,7 +10,8 @@ use std::{
 use anyhow::{Context, Result};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key},
+    maps::{HashMap, LpmTrie, Map, MapData, PerCpuArray, ProgramArray, lpm_trie::Key},
+    programs::{ProgramFd, SchedClassifier},
 };
 use ipnet::IpNet;
 use proxy_common::*;
@@ -29,10 +30,38 @@ pub const TC_TRACE: &str = "tc_trace";
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 /// Every map the agent pins, by name.
-pub const PINNED_MAPS: [&str; 13] = [
+pub const PINNED_MAPS: [&str; 14] = [
     MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS, MAP_SNAT,
     MAP_SNAT_ADDRS, MAP_CLUSTER_CIDRS, MAP_SERVICE_CIDRS, MAP_SOURCE_RANGES, MAP_AFFINITY, MAP_SOCK_REVNAT,
+    MAP_IPV6_PROGRAMS,
 ];
+
+/// Each TC program's IPv6 counterpart and its slot in the IPv6 program
+/// array: the IPv4 program hands IPv6 frames over by tail call.
+const IPV6_COUNTERPARTS: [(&str, &str, u32); 3] = [
+    (TC_INGRESS, "tc_ingress6", IPV6_PROG_INGRESS),
+    (TC_EGRESS, "tc_egress6", IPV6_PROG_EGRESS),
+    (TC_TRACE, "tc_trace6", IPV6_PROG_TRACE),
+];
+
+/// Loads the TC program `name` (through the verifier) and its IPv6
+/// counterpart, which it installs in the program array `name` tail-calls.
+pub fn load_tc(ebpf: &mut Ebpf, name: &str) -> Result<()> {
+    let load = |ebpf: &mut Ebpf, name: &str| -> Result<ProgramFd> {
+        let prog: &mut SchedClassifier =
+            ebpf.program_mut(name).with_context(|| format!("TC program {name} missing from the BPF object"))?.try_into()?;
+        prog.load().map_err(|e| anyhow::anyhow!("the kernel rejected the TC program {name}: {e}"))?;
+        Ok(prog.fd()?.try_clone()?)
+    };
+    load(ebpf, name)?;
+    let (_, v6_name, slot) =
+        IPV6_COUNTERPARTS.iter().find(|(n, _, _)| *n == name).with_context(|| format!("{name}: not a TC program"))?;
+    let v6 = load(ebpf, v6_name)?;
+    let map = ebpf.map_mut(MAP_IPV6_PROGRAMS).context("map IPV6_PROGRAMS missing from the BPF object")?;
+    let mut programs: ProgramArray<&mut MapData> = map.try_into()?;
+    programs.set(*slot, &v6, 0).with_context(|| format!("installing {v6_name} in {MAP_IPV6_PROGRAMS}"))?;
+    Ok(())
+}
 
 pub struct Maps {
     pub frontends: HashMap<MapData, FrontendKey, ServiceEntry>,

@@ -248,7 +248,7 @@ fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64
 type EntryCounter = fn(&Path, &str) -> Result<u64>;
 
 /// How to count the entries of each pinned map: by its key and value types.
-const ENTRY_COUNTERS: [(&str, EntryCounter); 13] = {
+const ENTRY_COUNTERS: [(&str, EntryCounter); 14] = {
     use proxy_common::*;
     [
         (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>),
@@ -265,6 +265,8 @@ const ENTRY_COUNTERS: [(&str, EntryCounter); 13] = {
         (MAP_SOURCE_RANGES, trie_entries::<SourceRangeData, u8>),
         // An array: every slot exists.
         (MAP_COUNTERS, |_, _| Ok(u64::from(MAX_COUNTERS))),
+        // The loader fills every slot with an IPv6 program.
+        (MAP_IPV6_PROGRAMS, |_, _| Ok(u64::from(IPV6_PROG_COUNT))),
     ]
 };
 
@@ -294,7 +296,7 @@ fn read_counters(root: &Path) -> Result<Vec<u64>> {
 fn verdict_of(index: usize) -> (&'static str, &'static str) {
     use DpCounter::*;
     let verdict = match index {
-        i if i == Passed as usize || i == Malformed as usize || i == Fragment as usize => "passed",
+        i if [Passed, Malformed, Fragment, ExtensionHeader].iter().any(|c| *c as usize == i) => "passed",
         i if i == Rejected as usize => "rejected",
         i if [NoBackend, CtFull, RewriteFailed, DropUnallocated, DropSourceRange, DropNoLocal, RejectFailed]
             .iter()

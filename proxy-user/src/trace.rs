@@ -125,8 +125,8 @@ pub fn trace(from: Source, to: Destination, root: &Path) -> Result<Trace> {
         root.display()
     );
     let (mut ebpf, maps) = maps::load(root)?;
+    maps::load_tc(&mut ebpf, TC_TRACE)?;
     let prog: &mut SchedClassifier = ebpf.program_mut(TC_TRACE).context("tc_trace missing from the BPF object")?.try_into()?;
-    prog.load().map_err(|e| anyhow::anyhow!("the kernel rejected tc_trace: {e}"))?;
 
     let frame = synthetic_frame(src.octets(), from.0.port(), dst.octets(), to.addr.port(), to.proto)?;
     let mut out = vec![0u8; frame.len() + 256];

@@ -35,8 +35,7 @@ impl Fixture {
         let bpffs = Bpffs::new(label).context("mounting a private bpffs")?;
         let (mut ebpf, mut maps) = maps::load(bpffs.path()).context("loading the BPF object")?;
         for name in [TC_INGRESS, TC_EGRESS] {
-            let prog: &mut SchedClassifier = ebpf.program_mut(name).context("tc program in the object")?.try_into()?;
-            prog.load().with_context(|| format!("verifier accepts {name}"))?;
+            maps::load_tc(&mut ebpf, name).with_context(|| format!("verifier accepts {name} and its IPv6 counterpart"))?;
         }
         install(&mut maps).context("filling the service maps")?;
         // Every source in-cluster, so the tables need internal frontends only.

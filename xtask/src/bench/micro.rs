@@ -79,8 +79,7 @@ pub fn run(samples: usize, repeat: u32) -> Result<Results> {
 
 fn measure(bpffs: &Bpffs, samples: usize, repeat: u32) -> Result<Results> {
     let (mut ebpf, mut maps) = maps::load(bpffs.path())?;
-    let prog: &mut SchedClassifier = ebpf.program_mut(TC_INGRESS).context("tc program")?.try_into()?;
-    prog.load().context("verifier rejected tc_ingress")?;
+    maps::load_tc(&mut ebpf, TC_INGRESS).context("verifier rejected tc_ingress")?;
     // Every source in-cluster, so only internal frontends are needed.
     maps.write_node_config(&Default::default(), &["0.0.0.0/0".parse()?], &[])?;
 

@@ -1,0 +1,80 @@
+//! IPv6 header parsing. Only a fixed 40-byte header followed directly by
+//! TCP, UDP or SCTP is translated: a packet with extension headers (and so
+//! every fragment, which carries a Fragment header) is reported and left to
+//! the kernel, as an IPv4 fragment is.
+
+use aya_ebpf::programs::TcContext;
+use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
+
+use crate::parse::{ETH_HLEN, Packet};
+
+const ETH_P_IPV6: u16 = 0x86dd;
+pub const IPV6_HLEN: usize = 40;
+/// Offsets of the addresses in the IPv6 header.
+pub const SRC_OFF: usize = 8;
+pub const DST_OFF: usize = 24;
+
+/// Next-header values that announce an extension header (RFC 8200 4.1 and
+/// the IANA list), the Fragment header apart.
+const NEXTHDR_FRAGMENT: u8 = 44;
+const NEXTHDR_HOP: u8 = 0;
+const NEXTHDR_ROUTING: u8 = 43;
+const NEXTHDR_ESP: u8 = 50;
+const NEXTHDR_AUTH: u8 = 51;
+const NEXTHDR_DEST: u8 = 60;
+const NEXTHDR_MOBILITY: u8 = 135;
+const NEXTHDR_HIP: u8 = 139;
+const NEXTHDR_SHIM6: u8 = 140;
+
+/// The IPv6 program's parse; the IPv4 program hands IPv6 frames to it by a
+/// tail call, so neither program's stack holds the other's packet.
+#[inline(always)]
+pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
+    // skb->protocol sent the frame here; the frame itself must agree (a
+    // VLAN tag, say, would put other bytes where the header is read).
+    let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| Counter::Malformed)?);
+    if ethertype != ETH_P_IPV6 {
+        return Err(Counter::Passed);
+    }
+    let l3_off = ETH_HLEN;
+    let version: u8 = ctx.load(l3_off).map_err(|_| Counter::Malformed)?;
+    if version >> 4 != 6 {
+        return Err(Counter::Malformed);
+    }
+    let payload_len = u16::from_be(ctx.load::<u16>(l3_off + 4).map_err(|_| Counter::Malformed)?) as usize;
+    let l4_off = l3_off + IPV6_HLEN;
+    let l4_end = l4_off + payload_len;
+    if l4_end > ctx.len() as usize {
+        return Err(Counter::Malformed);
+    }
+    let proto: u8 = ctx.load(l3_off + 6).map_err(|_| Counter::Malformed)?;
+    let (l4_hlen, csum_field) = match proto {
+        IPPROTO_TCP => (20, 16),
+        IPPROTO_UDP => (8, 6),
+        IPPROTO_SCTP => (crate::sctp::COMMON_HEADER_LEN, crate::sctp::CHECKSUM_OFF),
+        // Translating the first fragment alone would split the datagram
+        // across two destinations.
+        NEXTHDR_FRAGMENT => return Err(Counter::Fragment),
+        NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_ESP | NEXTHDR_AUTH | NEXTHDR_DEST | NEXTHDR_MOBILITY
+        | NEXTHDR_HIP | NEXTHDR_SHIM6 => return Err(Counter::ExtensionHeader),
+        _ => return Err(Counter::Passed),
+    };
+    if l4_off + l4_hlen > l4_end {
+        return Err(Counter::Malformed);
+    }
+    let src: [u8; 16] = ctx.load(l3_off + SRC_OFF).map_err(|_| Counter::Malformed)?;
+    let dst: [u8; 16] = ctx.load(l3_off + DST_OFF).map_err(|_| Counter::Malformed)?;
+    let sport: u16 = ctx.load(l4_off).map_err(|_| Counter::Malformed)?;
+    let dport: u16 = ctx.load(l4_off + 2).map_err(|_| Counter::Malformed)?;
+    let tcp_flags: u8 = if proto == IPPROTO_TCP { ctx.load(l4_off + 13).map_err(|_| Counter::Malformed)? } else { 0 };
+    Ok(Packet {
+        tuple: CtKey { src: Addr(src), dst: Addr(dst), sport, dport, proto, _pad: [0; 3] },
+        l3_off,
+        l4_off,
+        l4_csum_off: l4_off + csum_field,
+        l4_end,
+        proto,
+        tcp_flags,
+        v6: true,
+    })
+}
