@@ -70,6 +70,9 @@ pub struct ServicePortName {
     pub namespace: String,
     pub name: String,
     pub port: String,
+    /// The IPv6 half of a Service: its own backend set (IPv6 endpoints for
+    /// IPv6 frontends), as kube-proxy runs one proxier per family.
+    pub ipv6: bool,
 }
 
 impl fmt::Display for ServicePortName {
@@ -77,6 +80,9 @@ impl fmt::Display for ServicePortName {
         write!(f, "{}/{}", self.namespace, self.name)?;
         if !self.port.is_empty() {
             write!(f, ":{}", self.port)?;
+        }
+        if self.ipv6 {
+            write!(f, " (IPv6)")?;
         }
         Ok(())
     }
@@ -183,16 +189,19 @@ struct ServiceCtx<'a> {
 
 impl ServiceCtx<'_> {
     fn skip(&mut self, reason: String) {
-        self.errors.push(ObjectError { object: format!("service {}/{}", self.ns, self.name), reason });
+        let error = ObjectError { object: format!("service {}/{}", self.ns, self.name), reason };
+        // A dual-stack Service is built once per family: report once.
+        if !self.errors.contains(&error) {
+            self.errors.push(error);
+        }
     }
 
-    /// Valid IPv4 addresses of a list; the datapath translates IPv4 today
-    /// (the keys already hold IPv6), so IPv6 ones are left out silently.
-    fn ipv4s<'s>(&mut self, field: &str, ips: impl IntoIterator<Item = &'s String>) -> Vec<IpAddr> {
+    /// Valid addresses of a list, of the family being built (`ipv6`).
+    fn ips<'s>(&mut self, field: &str, ips: impl IntoIterator<Item = &'s String>, ipv6: bool) -> Vec<IpAddr> {
         let mut out = Vec::new();
         for ip in ips {
             match ip.trim().parse::<IpAddr>() {
-                Ok(ip) if ip.is_ipv4() => out.push(ip),
+                Ok(ip) if ip.is_ipv6() == ipv6 => out.push(ip),
                 Ok(_) => {}
                 Err(_) => self.skip(format!("{field}: invalid IP {ip:?}; that address is skipped")),
             }
@@ -217,18 +226,36 @@ fn build_service(svc: &Service, slices: &[&EndpointSlice], config: &ModelConfig,
     if ips.iter().any(|ip| ip.as_str() == "None") {
         return; // headless: DNS only, nothing to proxy
     }
-    let cluster_ips = ctx.ipv4s("spec.clusterIPs", ips);
+    // A dual-stack Service is two: each family's frontends lead to that
+    // family's endpoints only.
+    for ipv6 in [false, true] {
+        build_family(svc, spec, &ips, slices, config, ctx, state, ipv6);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build_family(
+    svc: &Service,
+    spec: &ServiceSpec,
+    ips: &[&String],
+    slices: &[&EndpointSlice],
+    config: &ModelConfig,
+    ctx: &mut ServiceCtx,
+    state: &mut DesiredState,
+    ipv6: bool,
+) {
+    let cluster_ips = ctx.ips("spec.clusterIPs", ips.iter().copied(), ipv6);
     if cluster_ips.is_empty() {
         return;
     }
     state.cluster_ips.extend(&cluster_ips);
-    let external_ips = ctx.ipv4s("spec.externalIPs", spec.external_ips.iter().flatten());
+    let external_ips = ctx.ips("spec.externalIPs", spec.external_ips.iter().flatten(), ipv6);
     let lb_ips = {
         let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|lb| lb.ingress.as_ref());
         let ips: Vec<&String> = ingress.into_iter().flatten().filter_map(|i| i.ip.as_ref()).collect();
-        ctx.ipv4s("status.loadBalancer.ingress", ips)
+        ctx.ips("status.loadBalancer.ingress", ips, ipv6)
     };
-    let source_ranges = admit_lb_ips_if_node_admitted(parse_source_ranges(spec, ctx), &lb_ips, &config.node_addresses);
+    let source_ranges = admit_lb_ips_if_node_admitted(parse_source_ranges(spec, ctx, ipv6), &lb_ips, &config.node_addresses);
     let policy = TrafficPolicy::of(spec);
 
     for (i, port) in spec.ports.iter().flatten().enumerate() {
@@ -240,8 +267,8 @@ fn build_service(svc: &Service, slices: &[&EndpointSlice], config: &ModelConfig,
             ctx.skip(format!("spec.ports[{i}].port: {} out of range; port skipped", port.port));
             continue;
         };
-        let service = ServicePortName { namespace: ctx.ns.clone(), name: ctx.name.clone(), port: port.name.clone().unwrap_or_default() };
-        let (all, hints) = select_endpoints(slices, &service.port, proto, config, ctx.errors);
+        let service = ServicePortName { namespace: ctx.ns.clone(), name: ctx.name.clone(), port: port.name.clone().unwrap_or_default(), ipv6 };
+        let (all, hints) = select_endpoints(slices, &service.port, proto, ipv6, config, ctx.errors);
         let endpoints = categorize(&all, policy.uses_local(), &hints, &config.node_name, ctx.zone);
         let externally_accessible = port.node_port.is_some() || !external_ips.is_empty() || !lb_ips.is_empty();
 
@@ -281,12 +308,13 @@ fn build_service(svc: &Service, slices: &[&EndpointSlice], config: &ModelConfig,
             let mut frontends: Vec<(FrontendKey, u8, u8)> = Vec::new();
             let key = |addr: IpAddr, port: u16, scope| FrontendKey { addr: Addr::from(addr), port: port.to_be(), proto, scope };
             if let Some(node_port) = port.node_port.and_then(port_number) {
-                for ip in config.node_port_ips() {
+                for ip in config.node_port_ips().filter(|ip| ip.is_ipv6() == ipv6) {
                     frontends.push((key(ip, node_port, SCOPE_INTERNAL), KIND_NODE_PORT, 0));
                     frontends.push((key(ip, node_port, SCOPE_EXTERNAL), KIND_NODE_PORT, 0));
                 }
                 // Only the node's processes can dial 127.0.0.1 (socket hooks).
-                if let Some(ip) = config.localhost_node_port_ip() {
+                // kube-proxy opens no NodePort on ::1.
+                if let Some(ip) = config.localhost_node_port_ip().filter(|_| !ipv6) {
                     frontends.push((key(ip, node_port, SCOPE_INTERNAL), KIND_NODE_PORT, 0));
                 }
             }
@@ -365,11 +393,11 @@ fn affinity_timeout(spec: &ServiceSpec) -> u32 {
 
 /// loadBalancerSourceRanges; like kube-proxy, surrounding spaces are
 /// tolerated and an invalid entry is skipped (with a report), not fatal.
-fn parse_source_ranges(spec: &ServiceSpec, ctx: &mut ServiceCtx) -> Vec<IpNet> {
+fn parse_source_ranges(spec: &ServiceSpec, ctx: &mut ServiceCtx, ipv6: bool) -> Vec<IpNet> {
     let mut out = Vec::new();
     for (i, r) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
         match r.trim().parse::<IpNet>() {
-            Ok(net) if net.addr().is_ipv4() => out.push(net.trunc()),
+            Ok(net) if net.addr().is_ipv6() == ipv6 => out.push(net.trunc()),
             Ok(_) => {}
             Err(_) => ctx.skip(format!("spec.loadBalancerSourceRanges[{i}]: invalid CIDR {r:?}; skipped")),
         }
@@ -431,6 +459,7 @@ fn select_endpoints(
     slices: &[&EndpointSlice],
     port_name: &str,
     proto: u8,
+    ipv6: bool,
     config: &ModelConfig,
     errors: &mut Vec<ObjectError>,
 ) -> (Vec<DesiredBackend>, BTreeMap<(IpAddr, u16), Hints>) {
@@ -440,7 +469,8 @@ fn select_endpoints(
     // Keyed by address and port: the same endpoint in two slices counts once.
     let mut all: BTreeMap<(IpAddr, u16), DesiredBackend> = BTreeMap::new();
     for slice in slices {
-        if slice.address_type != "IPv4" {
+        // FQDN slices (deprecated) are not proxied, as in kube-proxy.
+        if slice.address_type != if ipv6 { "IPv6" } else { "IPv4" } {
             continue;
         }
         let slice_name = || {
@@ -462,9 +492,17 @@ fn select_endpoints(
         };
         for ep in &slice.endpoints {
             let Some(addr) = ep.addresses.first() else { continue };
-            let Ok(addr) = addr.parse::<IpAddr>() else {
-                errors.push(ObjectError { object: slice_name(), reason: format!("invalid endpoint address {addr:?}; skipped") });
-                continue;
+            let addr = match addr.parse::<IpAddr>() {
+                Ok(ip) if ip.is_ipv6() == ipv6 => ip,
+                Ok(_) => {
+                    let reason = format!("endpoint address {addr} is not of the slice's addressType {}; skipped", slice.address_type);
+                    errors.push(ObjectError { object: slice_name(), reason });
+                    continue;
+                }
+                Err(_) => {
+                    errors.push(ObjectError { object: slice_name(), reason: format!("invalid endpoint address {addr:?}; skipped") });
+                    continue;
+                }
             };
             let backend = DesiredBackend { addr, port: port_num, proto, flags: endpoint_flags(ep, config) };
             let this_slice = slice.metadata.name.as_deref().unwrap_or("?");
@@ -596,6 +634,102 @@ endpoints:
         assert_eq!(state.frontends.len(), 4);
         let local = state.backend_sets.values().flatten().find(|b| b.addr.to_string() == "10.244.0.11").unwrap();
         assert_ne!(local.flags & BACKEND_LOCAL, 0);
+    }
+
+    const DUAL_STACK: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10, "fd00:10:96::10"]
+  ipFamilies: [IPv4, IPv6]
+  externalIPs: [192.0.2.7, "2001:db8:7::7"]
+  loadBalancerSourceRanges: [203.0.113.0/24, "2001:db8:abcd::/48"]
+  ports:
+  - {name: http, port: 80, targetPort: 8080, nodePort: 30080}
+status:
+  loadBalancer:
+    ingress: [{ip: 1.2.3.4}, {ip: "2001:db8:lb::1"}, {ip: "2001:db8:1b::1"}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-v4, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints:
+- {addresses: [10.244.0.11]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-v6, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv6
+ports: [{name: http, port: 8080}]
+endpoints:
+- {addresses: ["fd00:10:244::11"]}
+- {addresses: [10.244.0.99]}
+"#;
+
+    fn frontend_addrs(state: &DesiredState, name: &str, kind: u8) -> BTreeSet<String> {
+        state
+            .frontends
+            .iter()
+            .filter(|(_, f)| f.set.service.to_string() == name && f.kind == kind)
+            .map(|(k, _)| k.addr.to_string())
+            .collect()
+    }
+
+    #[test]
+    fn dual_stack_service_is_one_per_family_each_with_its_own_endpoints() {
+        let config = ModelConfig {
+            node_addresses: ["192.168.0.2", "2001:db8::1", "2001:db8:1::2"].map(|a| a.parse().unwrap()).to_vec(),
+            ..cfg()
+        };
+        let (state, errors) = build(&Snapshot::from_yaml(DUAL_STACK), &config);
+        let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        // Reported once though the Service is built twice; the IPv4 address
+        // in the IPv6 slice is refused, not proxied to from an IPv6 frontend.
+        assert_eq!(text, [
+            "service shop/web: status.loadBalancer.ingress: invalid IP \"2001:db8:lb::1\"; that address is skipped",
+            "endpointslice shop/web-v6: endpoint address 10.244.0.99 is not of the slice's addressType IPv6; skipped",
+        ]);
+        assert_eq!(backends_of(&state, "shop/web:http"), ["10.244.0.11:8080"]);
+        assert_eq!(backends_of(&state, "shop/web:http (IPv6)"), ["fd00:10:244::11:8080"]);
+        let set = |name: &str, kind| frontend_addrs(&state, name, kind);
+        let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<BTreeSet<String>>();
+        assert_eq!(set("shop/web:http", KIND_CLUSTER_IP), strings(&["10.96.0.10"]));
+        assert_eq!(set("shop/web:http (IPv6)", KIND_CLUSTER_IP), strings(&["fd00:10:96::10"]));
+        assert_eq!(set("shop/web:http", KIND_NODE_PORT), strings(&["192.168.0.2"]));
+        assert_eq!(set("shop/web:http (IPv6)", KIND_NODE_PORT), strings(&["2001:db8::1", "2001:db8:1::2"]));
+        assert_eq!(set("shop/web:http", KIND_EXTERNAL_IP), strings(&["192.0.2.7"]));
+        assert_eq!(set("shop/web:http (IPv6)", KIND_EXTERNAL_IP), strings(&["2001:db8:7::7"]));
+        assert_eq!(set("shop/web:http", KIND_LOAD_BALANCER), strings(&["1.2.3.4"]));
+        assert_eq!(set("shop/web:http (IPv6)", KIND_LOAD_BALANCER), strings(&["2001:db8:1b::1"]));
+        // Each family's source ranges guard its own frontends.
+        for (set, ranges) in &state.source_ranges {
+            let want = if set.service.ipv6 { "2001:db8:abcd::/48" } else { "203.0.113.0/24" };
+            assert_eq!(ranges.iter().map(ToString::to_string).collect::<Vec<_>>(), [want], "{}", set.service);
+        }
+        assert!(state.cluster_ips.contains(&"fd00:10:96::10".parse().unwrap()));
+    }
+
+    #[test]
+    fn ipv6_only_service_gets_ipv6_frontends_and_no_localhost_node_port() {
+        let yaml = DUAL_STACK
+            .replace("  clusterIP: 10.96.0.10\n  clusterIPs: [10.96.0.10, \"fd00:10:96::10\"]", "  clusterIP: \"fd00:10:96::10\"")
+            .replace("ipFamilies: [IPv4, IPv6]", "ipFamilies: [IPv6]");
+        let config = ModelConfig {
+            node_addresses: ["192.168.0.2", "2001:db8::1"].map(|a| a.parse().unwrap()).to_vec(),
+            localhost_node_ports: true,
+            ..cfg()
+        };
+        let (state, errors) = build(&Snapshot::from_yaml(&yaml), &config);
+        assert!(errors.iter().any(|e| e.reason.contains("2001:db8:lb::1")), "{errors:?}");
+        assert!(state.frontends.values().all(|f| f.set.service.ipv6), "an IPv4 frontend for an IPv6-only Service");
+        assert!(state.frontends.keys().all(|k| !k.addr.is_v4()));
+        assert_eq!(frontend_addrs(&state, "shop/web:http (IPv6)", KIND_NODE_PORT), BTreeSet::from(["2001:db8::1".to_string()]));
+        assert_eq!(backends_of(&state, "shop/web:http (IPv6)"), ["fd00:10:244::11:8080"]);
     }
 
     #[test]

@@ -9,7 +9,8 @@ use netlink_packet_route::address::{AddressAttribute, AddressHeaderFlags, Addres
 use rtnetlink::{Handle, MulticastGroup, new_multicast_connection};
 use tokio::sync::watch;
 
-/// IPv4 addresses by interface, primary address first; loopback left out.
+/// IPv4 and IPv6 addresses by interface, primary address first; loopback
+/// and IPv6 link-local (fe80::/10, never a NodePort or SNAT source) left out.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeAddrs {
     pub by_ifindex: BTreeMap<u32, Vec<IpAddr>>,
@@ -23,8 +24,12 @@ impl NodeAddrs {
     /// The SNAT source per interface, and under ifindex 0 the default for
     /// interfaces without an address (pod veths): the first interface's primary.
     pub fn snat_sources(&self) -> BTreeMap<u32, IpAddr> {
-        let mut out: BTreeMap<u32, IpAddr> =
-            self.by_ifindex.iter().filter_map(|(i, ips)| Some((*i, *ips.first()?))).collect();
+        // IPv4 only: IPv6 masquerade is not built yet.
+        let mut out: BTreeMap<u32, IpAddr> = self
+            .by_ifindex
+            .iter()
+            .filter_map(|(i, ips)| Some((*i, *ips.iter().find(|ip| ip.is_ipv4())?)))
+            .collect();
         if let Some(first) = out.values().next().copied() {
             out.insert(0, first);
         }
@@ -47,7 +52,7 @@ impl NodeAddrs {
             }) else {
                 continue;
             };
-            if !ip.is_ipv4() || ip.is_loopback() {
+            if ip.is_loopback() || is_ipv6_link_local(&ip) {
                 continue;
             }
             let secondary = m.header.flags.contains(AddressHeaderFlags::Secondary);
@@ -64,6 +69,10 @@ impl NodeAddrs {
     }
 }
 
+fn is_ipv6_link_local(ip: &IpAddr) -> bool {
+    matches!(ip, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80)
+}
+
 async fn list(handle: &Handle) -> Result<NodeAddrs> {
     let msgs: Vec<AddressMessage> = handle.address().get().execute().try_collect().await.context("list addresses")?;
     Ok(NodeAddrs::from_messages(&msgs))
@@ -73,7 +82,7 @@ async fn list(handle: &Handle) -> Result<NodeAddrs> {
 pub async fn watch(tx: watch::Sender<NodeAddrs>) -> Result<()> {
     // Subscribe before listing, so no change can slip between the two.
     let (conn, handle, mut events) =
-        new_multicast_connection(&[MulticastGroup::Ipv4Ifaddr]).context("netlink socket for address events")?;
+        new_multicast_connection(&[MulticastGroup::Ipv4Ifaddr, MulticastGroup::Ipv6Ifaddr]).context("netlink socket for address events")?;
     tokio::spawn(conn);
     tx.send_replace(list(&handle).await?);
     while events.next().await.is_some() {
@@ -86,4 +95,39 @@ pub async fn watch(tx: watch::Sender<NodeAddrs>) -> Result<()> {
         });
     }
     anyhow::bail!("netlink address events stopped")
+}
+
+#[cfg(test)]
+mod tests {
+    use netlink_packet_route::address::AddressMessage;
+
+    use super::*;
+
+    fn msg(index: u32, ip: &str, secondary: bool) -> AddressMessage {
+        let mut m = AddressMessage::default();
+        m.header.index = index;
+        if secondary {
+            m.header.flags = AddressHeaderFlags::Secondary;
+        }
+        m.attributes.push(AddressAttribute::Address(ip.parse().unwrap()));
+        m
+    }
+
+    #[test]
+    fn ipv6_addresses_count_but_link_local_and_loopback_do_not_and_snat_stays_ipv4() {
+        let msgs = [
+            msg(1, "::1", false),
+            msg(2, "2001:db8::1", false),
+            msg(2, "fe80::1", false),
+            msg(2, "192.168.0.3", true),
+            msg(2, "192.168.0.2", false),
+            msg(3, "2001:db8:1::2", false),
+        ];
+        let addrs = NodeAddrs::from_messages(&msgs);
+        let all: Vec<String> = addrs.all().iter().map(ToString::to_string).collect();
+        assert_eq!(all, ["2001:db8::1", "192.168.0.2", "192.168.0.3", "2001:db8:1::2"]);
+        // Masquerade leaves with an IPv4 address; an IPv6-only interface has none.
+        let snat: Vec<(u32, String)> = addrs.snat_sources().into_iter().map(|(i, ip)| (i, ip.to_string())).collect();
+        assert_eq!(snat, [(0, "192.168.0.2".to_string()), (2, "192.168.0.2".to_string())]);
+    }
 }

@@ -288,7 +288,7 @@ mod tests {
 
     fn set(name: &str) -> BackendSetKey {
         BackendSetKey {
-            service: ServicePortName { namespace: "default".into(), name: name.into(), port: "http".into() },
+            service: ServicePortName { namespace: "default".into(), name: name.into(), port: "http".into(), ipv6: false },
             policy: POLICY_CLUSTER,
         }
     }
