@@ -35,6 +35,9 @@ pub const MAX_CONNTRACK: u32 = 131_072;
 pub const MAX_SERVICE_NAMES: u32 = 524_288;
 pub const MAX_SNAT: u32 = MAX_CONNTRACK;
 pub const MAX_SNAT_ADDRS: u32 = 1024;
+/// SNAT_ADDRS key bit for an IPv6 source: `ifindex | SNAT_ADDR_IPV6` holds
+/// the interface's IPv6 address, `SNAT_ADDR_IPV6` alone the default.
+pub const SNAT_ADDR_IPV6: u32 = 1 << 31;
 pub const MAX_CIDRS: u32 = 256;
 pub const MAX_SOURCE_RANGES: u32 = 65_536;
 pub const MAX_AFFINITY: u32 = 65_536;
@@ -342,7 +345,9 @@ pub enum Counter {
 pub const IPV6_PROG_INGRESS: u32 = 0;
 pub const IPV6_PROG_EGRESS: u32 = 1;
 pub const IPV6_PROG_TRACE: u32 = 2;
-pub const IPV6_PROG_COUNT: u32 = 3;
+/// tc_egress6 hands masqueraded flows to tc_masquerade6.
+pub const IPV6_PROG_MASQUERADE: u32 = 3;
+pub const IPV6_PROG_COUNT: u32 = 4;
 
 pub const COUNTER_NAMES: [&str; 19] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",

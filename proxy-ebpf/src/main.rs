@@ -39,7 +39,7 @@ mod program {
         programs::{SockAddrContext, TcContext},
     };
     use proxy_common::{
-        IPV6_PROG_EGRESS, IPV6_PROG_INGRESS, IPV6_PROG_TRACE, CT_CLOSING, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, MASQUERADE_MARK, REVERSE_NAT_MARK, SVC_DROP_IF_EMPTY,
+        IPV6_PROG_EGRESS, IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, CT_CLOSING, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, MASQUERADE_MARK, REVERSE_NAT_MARK, SVC_DROP_IF_EMPTY,
         SVC_MASQUERADE, SVC_SOURCE_RANGES,
     };
 
@@ -206,6 +206,25 @@ mod program {
         egress::<true>(&ctx)
     }
 
+    /// IPv6 masquerade, reached by tail call from `tc_egress6` (mark already
+    /// cleared): the IPv6 packet cannot live in registers, and with the
+    /// reverse-NAT path in the same frame the stack would pass 512 bytes.
+    #[classifier]
+    pub fn tc_masquerade6(ctx: TcContext) -> i32 {
+        let Ok(pkt) = parse6::parse(&ctx) else { return NOT_OURS };
+        let Some((addr, port)) = masquerade::source_for(&ctx, &pkt) else {
+            count(Counter::SnatFailed);
+            return NOT_OURS;
+        };
+        match nat::rewrite_src(&ctx, &pkt, &addr, port) {
+            Ok(()) => TC_ACT_OK as i32,
+            Err(_) => {
+                count(Counter::RewriteFailed);
+                DROP
+            }
+        }
+    }
+
     #[inline(always)]
     fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
         let mark = crate::skb::mark(ctx);
@@ -216,11 +235,13 @@ mod program {
             return to_ipv6::<false>(ctx, IPV6_PROG_EGRESS);
         }
         ctx.set_mark(mark & !(MASQUERADE_MARK | REVERSE_NAT_MARK));
+        if V6 && mark & MASQUERADE_MARK != 0 {
+            return to_ipv6::<false>(ctx, IPV6_PROG_MASQUERADE);
+        }
         let parsed = if V6 { parse6::parse(ctx) } else { parse::parse(ctx) };
         let Ok(pkt) = parsed else { return NOT_OURS };
         let source = if mark & MASQUERADE_MARK != 0 {
-            // IPv6 masquerade is not built yet: sent as it is (snat_failed).
-            if V6 { None } else { masquerade::source_for(ctx, &pkt) }
+            masquerade::source_for(ctx, &pkt)
         } else {
             conntrack::lookup(&pkt.tuple).filter(|e| e.direction == CT_REPLY).map(|e| (e.nat_addr, e.nat_port))
         };

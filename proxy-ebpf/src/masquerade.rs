@@ -6,7 +6,7 @@
 use core::num::NonZeroU32;
 
 use aya_ebpf::{Global, helpers::bpf_get_prandom_u32, programs::TcContext};
-use proxy_common::{Addr, CT_REPLY, Counter, CtKey, DEFAULT_SNAT_PORTS, SnatEntry};
+use proxy_common::{Addr, CT_REPLY, Counter, CtKey, DEFAULT_SNAT_PORTS, SNAT_ADDR_IPV6, SnatEntry};
 
 use crate::{
     conntrack,
@@ -37,8 +37,10 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
     let t = &pkt.tuple;
     let plain_key = conntrack::reply_key(t, &t.dst, t.dport);
     let plain = *conntrack::lookup(&plain_key).filter(|e| e.direction == CT_REPLY)?;
-    let ifindex = crate::skb::ifindex(ctx);
-    let addr = unsafe { SNAT_ADDRS.get(&ifindex).or_else(|| SNAT_ADDRS.get(&0)) }.copied()?;
+    // Each family's addresses under their own keys (constant per program).
+    let family = if pkt.v6 { SNAT_ADDR_IPV6 } else { 0 };
+    let ifindex = crate::skb::ifindex(ctx) | family;
+    let addr = unsafe { SNAT_ADDRS.get(&ifindex).or_else(|| SNAT_ADDRS.get(&family)) }.copied()?;
 
     // Keep the client's port when it is in the range and free (as Linux NAT
     // keeps it when free), else try random ones; the reply entry's key is the

@@ -3,7 +3,7 @@
 //! every fragment, which carries a Fragment header) is reported and left to
 //! the kernel, as an IPv4 fragment is.
 
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::{EbpfContext, helpers::bpf_skb_load_bytes, programs::TcContext};
 use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::parse::{ETH_HLEN, Packet};
@@ -62,13 +62,11 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
     if l4_off + l4_hlen > l4_end {
         return Err(Counter::Malformed);
     }
-    let src: [u8; 16] = ctx.load(l3_off + SRC_OFF).map_err(|_| Counter::Malformed)?;
-    let dst: [u8; 16] = ctx.load(l3_off + DST_OFF).map_err(|_| Counter::Malformed)?;
     let sport: u16 = ctx.load(l4_off).map_err(|_| Counter::Malformed)?;
     let dport: u16 = ctx.load(l4_off + 2).map_err(|_| Counter::Malformed)?;
     let tcp_flags: u8 = if proto == IPPROTO_TCP { ctx.load(l4_off + 13).map_err(|_| Counter::Malformed)? } else { 0 };
-    Ok(Packet {
-        tuple: CtKey { src: Addr(src), dst: Addr(dst), sport, dport, proto, _pad: [0; 3] },
+    let mut pkt = Packet {
+        tuple: CtKey { src: Addr::default(), dst: Addr::default(), sport, dport, proto, _pad: [0; 3] },
         l3_off,
         l4_off,
         l4_csum_off: l4_off + csum_field,
@@ -76,5 +74,17 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
         proto,
         tcp_flags,
         v6: true,
-    })
+    };
+    // Straight into the packet's tuple: tc_egress6's stack has no room for
+    // copies of the addresses on the way.
+    load_addr(ctx, l3_off + SRC_OFF, &mut pkt.tuple.src)?;
+    load_addr(ctx, l3_off + DST_OFF, &mut pkt.tuple.dst)?;
+    Ok(pkt)
+}
+
+#[inline(always)]
+fn load_addr(ctx: &TcContext, off: usize, addr: &mut Addr) -> Result<(), Counter> {
+    let dst = addr.0.as_mut_ptr() as *mut core::ffi::c_void;
+    let ret = unsafe { bpf_skb_load_bytes(ctx.as_ptr(), off as u32, dst, 16) };
+    if ret == 0 { Ok(()) } else { Err(Counter::Malformed) }
 }

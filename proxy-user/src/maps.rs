@@ -36,11 +36,13 @@ pub const PINNED_MAPS: [&str; 14] = [
     MAP_IPV6_PROGRAMS,
 ];
 
-/// Each TC program's IPv6 counterpart and its slot in the IPv6 program
-/// array: the IPv4 program hands IPv6 frames over by tail call.
-const IPV6_COUNTERPARTS: [(&str, &str, u32); 3] = [
+/// Each TC program's IPv6 counterparts and their slots in the IPv6 program
+/// array: the IPv4 program hands IPv6 frames over by tail call (and egress's
+/// IPv6 program hands masqueraded flows on to a third).
+const IPV6_COUNTERPARTS: [(&str, &str, u32); 4] = [
     (TC_INGRESS, "tc_ingress6", IPV6_PROG_INGRESS),
     (TC_EGRESS, "tc_egress6", IPV6_PROG_EGRESS),
+    (TC_EGRESS, "tc_masquerade6", IPV6_PROG_MASQUERADE),
     (TC_TRACE, "tc_trace6", IPV6_PROG_TRACE),
 ];
 
@@ -54,12 +56,13 @@ pub fn load_tc(ebpf: &mut Ebpf, name: &str) -> Result<()> {
         Ok(prog.fd()?.try_clone()?)
     };
     load(ebpf, name)?;
-    let (_, v6_name, slot) =
-        IPV6_COUNTERPARTS.iter().find(|(n, _, _)| *n == name).with_context(|| format!("{name}: not a TC program"))?;
-    let v6 = load(ebpf, v6_name)?;
-    let map = ebpf.map_mut(MAP_IPV6_PROGRAMS).context("map IPV6_PROGRAMS missing from the BPF object")?;
-    let mut programs: ProgramArray<&mut MapData> = map.try_into()?;
-    programs.set(*slot, &v6, 0).with_context(|| format!("installing {v6_name} in {MAP_IPV6_PROGRAMS}"))?;
+    anyhow::ensure!(IPV6_COUNTERPARTS.iter().any(|(n, _, _)| *n == name), "{name}: not a TC program");
+    for (_, v6_name, slot) in IPV6_COUNTERPARTS.iter().filter(|(n, _, _)| *n == name) {
+        let v6 = load(ebpf, v6_name)?;
+        let map = ebpf.map_mut(MAP_IPV6_PROGRAMS).context("map IPV6_PROGRAMS missing from the BPF object")?;
+        let mut programs: ProgramArray<&mut MapData> = map.try_into()?;
+        programs.set(*slot, &v6, 0).with_context(|| format!("installing {v6_name} in {MAP_IPV6_PROGRAMS}"))?;
+    }
     Ok(())
 }
 

@@ -4,6 +4,7 @@
 use std::{collections::BTreeMap, net::IpAddr};
 
 use anyhow::{Context, Result};
+use proxy_common::SNAT_ADDR_IPV6;
 use futures::{StreamExt, TryStreamExt};
 use netlink_packet_route::address::{AddressAttribute, AddressHeaderFlags, AddressMessage};
 use rtnetlink::{Handle, MulticastGroup, new_multicast_connection};
@@ -21,17 +22,19 @@ impl NodeAddrs {
         self.by_ifindex.values().flatten().copied().collect()
     }
 
-    /// The SNAT source per interface, and under ifindex 0 the default for
+    /// The SNAT source per interface and family (IPv6 under
+    /// `ifindex | SNAT_ADDR_IPV6`), and under ifindex 0 the default for
     /// interfaces without an address (pod veths): the first interface's primary.
     pub fn snat_sources(&self) -> BTreeMap<u32, IpAddr> {
-        // IPv4 only: IPv6 masquerade is not built yet.
-        let mut out: BTreeMap<u32, IpAddr> = self
-            .by_ifindex
-            .iter()
-            .filter_map(|(i, ips)| Some((*i, *ips.iter().find(|ip| ip.is_ipv4())?)))
-            .collect();
-        if let Some(first) = out.values().next().copied() {
-            out.insert(0, first);
+        let mut out = BTreeMap::new();
+        for (family, ipv6) in [(0, false), (SNAT_ADDR_IPV6, true)] {
+            let first_of = |ips: &Vec<IpAddr>| ips.iter().find(|ip| ip.is_ipv6() == ipv6).copied();
+            let sources: BTreeMap<u32, IpAddr> =
+                self.by_ifindex.iter().filter_map(|(i, ips)| Some((*i | family, first_of(ips)?))).collect();
+            if let Some(first) = sources.values().next().copied() {
+                out.insert(family, first);
+            }
+            out.extend(sources);
         }
         out
     }
@@ -114,7 +117,7 @@ mod tests {
     }
 
     #[test]
-    fn ipv6_addresses_count_but_link_local_and_loopback_do_not_and_snat_stays_ipv4() {
+    fn ipv6_addresses_count_but_link_local_and_loopback_do_not_and_each_family_has_snat_sources() {
         let msgs = [
             msg(1, "::1", false),
             msg(2, "2001:db8::1", false),
@@ -126,8 +129,10 @@ mod tests {
         let addrs = NodeAddrs::from_messages(&msgs);
         let all: Vec<String> = addrs.all().iter().map(ToString::to_string).collect();
         assert_eq!(all, ["2001:db8::1", "192.168.0.2", "192.168.0.3", "2001:db8:1::2"]);
-        // Masquerade leaves with an IPv4 address; an IPv6-only interface has none.
+        // Each family's primary per interface, and the first as the default.
         let snat: Vec<(u32, String)> = addrs.snat_sources().into_iter().map(|(i, ip)| (i, ip.to_string())).collect();
-        assert_eq!(snat, [(0, "192.168.0.2".to_string()), (2, "192.168.0.2".to_string())]);
+        let v6 = SNAT_ADDR_IPV6;
+        let want = [(0, "192.168.0.2"), (2, "192.168.0.2"), (v6, "2001:db8::1"), (v6 | 2, "2001:db8::1"), (v6 | 3, "2001:db8:1::2")];
+        assert_eq!(snat, want.map(|(i, ip)| (i, ip.to_string())));
     }
 }

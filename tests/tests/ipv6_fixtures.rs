@@ -26,11 +26,17 @@ const BACKEND_FAR: &str = "2001:db8:1:2:3:4:5:6";
 /// A service with no backend: 80/TCP.
 const VIP_EMPTY: &str = "fd00:10:96::30";
 const NOWHERE: &str = "fd00:10:96::99";
+/// A service whose frontend masquerades (as with --masquerade-all).
+const VIP_MASQ: &str = "fd00:10:96::40";
+/// The node's IPv6 address masqueraded flows leave with, and its IPv4 one.
+const NODE_IP6: &str = "2001:db8::1";
+const NODE_IP4: [u8; 4] = [192, 168, 0, 2];
 
 const TCP_SERVICE_ID: u32 = 1;
 const UDP_SERVICE_ID: u32 = 2;
 const FAR_SERVICE_ID: u32 = 3;
 const EMPTY_SERVICE_ID: u32 = 4;
+const MASQ_SERVICE_ID: u32 = 5;
 const TCP_BACKEND_ID: u32 = 1;
 const UDP_BACKEND_ID: u32 = 2;
 const FAR_BACKEND_ID: u32 = 3;
@@ -204,6 +210,72 @@ fn untouched_cases() -> Vec<Case> {
 fn ipv6_translation_fixtures() {
     let fx = fixture("ipv6-fixtures-xlate");
     run_table(&fx, "IPv6 translation", translation_cases(), recheck_checksums, field);
+}
+
+/// Masquerade: the mark at ingress, the SNAT to the node's IPv6 address at
+/// egress, the reply back to the client at ingress and from the frontend at
+/// egress.
+fn masquerade_cases() -> Vec<Case> {
+    // Inside the SNAT port range (the default, 61000-65535): kept.
+    let client = (CLIENT, 62000);
+    let node = (NODE_IP6, 62000);
+    let backend = (BACKEND, 8080);
+    vec![
+        Case::new(
+            "TCP SYN -> [fd00:10:96::40]:80, a masquerading frontend: DNAT, marked for masquerade",
+            tcp_syn(client, (VIP_MASQ, 80)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn(client, backend)),
+            &[Counter::NewFlow, Counter::Masqueraded],
+        )
+        .leaves_mark(MASQUERADE_MARK),
+        Case::new(
+            "egress: the marked SYN leaves from [2001:db8::1] (the IPv6 source, not the IPv4 one), port kept",
+            tcp_syn(client, backend),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn(node, backend)),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK)
+        .leaves_mark(0),
+        Case::new(
+            "reply [fd00:10:244::11]:8080 -> [2001:db8::1]:62000: at ingress, back to the client",
+            tcp_data(backend, node, b"ok"),
+            TC_ACT_OK,
+            Expect::Translated(tcp_data(backend, client, b"ok")),
+            &[Counter::Reply],
+        )
+        .leaves_mark(REVERSE_NAT_MARK),
+        Case::new(
+            "egress: ... and from [fd00:10:96::40]:80",
+            tcp_data(backend, client, b"ok"),
+            TC_ACT_OK,
+            Expect::Translated(tcp_data((VIP_MASQ, 80), client, b"ok")),
+            &[],
+        )
+        .at_egress(REVERSE_NAT_MARK),
+        Case::new(
+            "egress: the flow's next packet reuses its SNAT entry",
+            tcp_data(client, backend, b"more"),
+            TC_ACT_OK,
+            Expect::Translated(tcp_data(node, backend, b"more")),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK),
+    ]
+}
+
+#[test]
+fn ipv6_masquerade_fixtures() {
+    let mut fx = fixture("ipv6-fixtures-masq");
+    let snat = [(0, std::net::IpAddr::from(NODE_IP4)), (SNAT_ADDR_IPV6, NODE_IP6.parse().unwrap())].into_iter().collect();
+    let cluster = ["0.0.0.0/0".parse().unwrap(), "::/0".parse().unwrap()];
+    fx.maps.write_node_config(&snat, &cluster, &[]).expect("node settings");
+    let key = FrontendKey { addr: addr(VIP_MASQ), port: 80u16.to_be(), proto: IPPROTO_TCP, scope: SCOPE_INTERNAL };
+    let entry = ServiceEntry { service_id: MASQ_SERVICE_ID, backend_count: 1, kind: KIND_CLUSTER_IP, flags: SVC_MASQUERADE, ..Default::default() };
+    fx.maps.put_frontend(&key, &entry).unwrap();
+    fx.maps.put_slot(&SlotKey { service_id: MASQ_SERVICE_ID, slot: 0 }, TCP_BACKEND_ID).unwrap();
+    run_table(&fx, "IPv6 masquerade", masquerade_cases(), recheck_checksums, field);
 }
 
 #[test]
