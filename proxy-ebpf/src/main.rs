@@ -39,8 +39,9 @@ mod program {
         programs::{SockAddrContext, TcContext},
     };
     use proxy_common::{
-        IPV6_PROG_EGRESS, IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, CT_CLOSING, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, MASQUERADE_MARK, REVERSE_NAT_MARK, SVC_DROP_IF_EMPTY,
-        SVC_MASQUERADE, SVC_SOURCE_RANGES,
+        CT_CLOSING, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, IPV6_PROG_EGRESS, IPV6_PROG_INGRESS,
+        IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, MASQUERADE_MARK, REVERSE_NAT_MARK, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
+        SVC_SOURCE_RANGES,
     };
 
     use crate::{
@@ -236,7 +237,9 @@ mod program {
         }
         ctx.set_mark(mark & !(MASQUERADE_MARK | REVERSE_NAT_MARK));
         if V6 && mark & MASQUERADE_MARK != 0 {
-            return to_ipv6::<false>(ctx, IPV6_PROG_MASQUERADE);
+            let _ = unsafe { IPV6_PROGRAMS.tail_call(ctx, IPV6_PROG_MASQUERADE) };
+            count(Counter::SnatFailed);
+            return NOT_OURS;
         }
         let parsed = if V6 { parse6::parse(ctx) } else { parse::parse(ctx) };
         let Ok(pkt) = parsed else { return NOT_OURS };

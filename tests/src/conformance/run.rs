@@ -207,7 +207,7 @@ pub fn run_setup(kind: &str, setup: &Setup, netprobe: &Path, report: &(dyn Fn(&C
     };
 
     if setup.family == Family::IPv6 {
-        everything(Status::Skip, "IPv6: the datapath is IPv4-only for now").into_iter().for_each(&mut record);
+        everything(Status::Skip, "IPv6: the conformance topology is IPv4-only for now (see docs/ipv6.md)").into_iter().for_each(&mut record);
         return results;
     }
     let cluster = match build(setup) {
