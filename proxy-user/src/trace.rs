@@ -115,7 +115,7 @@ pub fn print(from: Source, to: Destination, output: Output, root: &Path) -> Resu
 
 pub fn trace(from: Source, to: Destination, root: &Path) -> Result<Trace> {
     let (IpAddr::V4(src), IpAddr::V4(dst)) = (from.0.ip(), to.addr.ip()) else {
-        bail!("trace: IPv4 only for now (the datapath translates IPv4)");
+        bail!("trace: IPv4 addresses only for now (the IPv6 programs are reached from real packets; see docs/ipv6.md)");
     };
     // Adopt the live maps; never create them: an empty dataplane would answer "PASS".
     let frontends = root.join(MAP_FRONTENDS);
