@@ -17,6 +17,9 @@ pub const MAP_SERVICE_CIDRS: &str = "SERVICE_CIDRS";
 pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
 pub const MAP_AFFINITY: &str = "AFFINITY";
 pub const MAP_SOCK_REVNAT: &str = "SOCK_REVNAT";
+/// One u32 the agent increments after it removes a backend: see
+/// `CtEntry::backends_epoch`.
+pub const MAP_BACKENDS_EPOCH: &str = "BACKENDS_EPOCH";
 
 pub const MAX_FRONTENDS: u32 = 1_048_576;
 pub const MAX_BACKEND_SLOTS: u32 = 1_048_576;
@@ -170,6 +173,11 @@ pub struct CtEntry {
     pub service_id: u32,
     /// The backend chosen; an ORIGINAL entry whose backend is gone is re-balanced.
     pub backend_id: u32,
+    /// The backends epoch (MAP_BACKENDS_EPOCH) when `backend_id` was last
+    /// seen to name `nat_addr:nat_port`. While the epoch is unchanged no
+    /// backend was removed since, so a packet need not look the backend up.
+    pub backends_epoch: u32,
+    pub _pad2: u32,
     /// bpf_ktime_get_ns() at creation and at the last packet.
     pub created_ns: u64,
     pub last_seen_ns: u64,

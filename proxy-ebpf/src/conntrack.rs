@@ -52,8 +52,16 @@ pub fn reply_key(tuple: &CtKey, backend: &Addr, backend_port: u16) -> CtKey {
 
 /// Records both directions: the original (client -> frontend, translated to
 /// the backend) and the reply (backend -> client, translated back).
+/// `epoch`: lb::backends_epoch() as read before the backend was chosen.
 #[inline(always)]
-pub fn create(tuple: &CtKey, service: &ServiceEntry, backend_id: u32, backend: &Backend, flags: u8) -> Result<(), i32> {
+pub fn create(
+    tuple: &CtKey,
+    service: &ServiceEntry,
+    backend_id: u32,
+    backend: &Backend,
+    flags: u8,
+    epoch: u32,
+) -> Result<(), i32> {
     let now = now();
     // One value on the stack, reused: the BPF stack is small.
     let mut entry = CtEntry {
@@ -62,6 +70,7 @@ pub fn create(tuple: &CtKey, service: &ServiceEntry, backend_id: u32, backend: &
         direction: CT_REPLY,
         service_id: service.service_id,
         backend_id,
+        backends_epoch: epoch,
         created_ns: now,
         last_seen_ns: now,
         ..Default::default()

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key},
+    maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key},
 };
 use ipnet::IpNet;
 use proxy_common::*;
@@ -26,15 +26,19 @@ pub const TC_TRACE: &str = "tc_trace";
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 /// Every map the agent pins, by name.
-pub const PINNED_MAPS: [&str; 13] = [
+pub const PINNED_MAPS: [&str; 14] = [
     MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS, MAP_SNAT,
     MAP_SNAT_ADDRS, MAP_CLUSTER_CIDRS, MAP_SERVICE_CIDRS, MAP_SOURCE_RANGES, MAP_AFFINITY, MAP_SOCK_REVNAT,
+    MAP_BACKENDS_EPOCH,
 ];
 
 pub struct Maps {
     pub frontends: HashMap<MapData, FrontendKey, ServiceEntry>,
     pub slots: HashMap<MapData, SlotKey, u32>,
     pub backends: HashMap<MapData, u32, Backend>,
+    /// Bumped after each backend removal: conntrack entries made before it
+    /// check their backend again (see `del_backend`).
+    pub backends_epoch: Array<MapData, u32>,
     pub conntrack: HashMap<MapData, CtKey, CtEntry>,
     pub names: HashMap<MapData, u32, ServiceName>,
     pub counters: PerCpuArray<MapData, u64>,
@@ -66,10 +70,11 @@ pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
         .load(BPF_OBJECT)
         .context("loading the BPF programs failed (is this process allowed to use BPF? CAP_BPF and CAP_NET_ADMIN are needed)")?;
     let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the BPF object"));
-    let maps = Maps {
+    let mut maps = Maps {
         frontends: take(MAP_FRONTENDS)?.try_into()?,
         slots: take(MAP_BACKEND_SLOTS)?.try_into()?,
         backends: take(MAP_BACKENDS)?.try_into()?,
+        backends_epoch: take(MAP_BACKENDS_EPOCH)?.try_into()?,
         conntrack: take(MAP_CONNTRACK)?.try_into()?,
         names: take(MAP_SERVICE_NAMES)?.try_into()?,
         counters: take(MAP_COUNTERS)?.try_into()?,
@@ -78,6 +83,9 @@ pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
         service_cidrs: take(MAP_SERVICE_CIDRS)?.try_into()?,
         source_ranges: take(MAP_SOURCE_RANGES)?.try_into()?,
     };
+    // An agent stopped between a removal and its bump leaves flows that
+    // would skip their check: every flow checks its backend once more.
+    maps.bump_backends_epoch()?;
     Ok((ebpf, maps))
 }
 
@@ -96,6 +104,7 @@ impl Maps {
             frontends: open_pin(root, MAP_FRONTENDS)?.try_into()?,
             slots: open_pin(root, MAP_BACKEND_SLOTS)?.try_into()?,
             backends: open_pin(root, MAP_BACKENDS)?.try_into()?,
+            backends_epoch: open_pin(root, MAP_BACKENDS_EPOCH)?.try_into()?,
             conntrack: open_pin(root, MAP_CONNTRACK)?.try_into()?,
             names: open_pin(root, MAP_SERVICE_NAMES)?.try_into()?,
             counters: open_pin(root, MAP_COUNTERS)?.try_into()?,
@@ -149,6 +158,13 @@ impl Maps {
         replace_cidrs(&mut self.service_cidrs, service)
     }
 
+    /// The next backends epoch (wrapping): see `del_backend`.
+    pub fn bump_backends_epoch(&mut self) -> Result<()> {
+        let epoch = self.backends_epoch.get(&0, 0).context("reading the backends epoch")?;
+        self.backends_epoch.set(0, &epoch.wrapping_add(1), 0).context("bumping the backends epoch")?;
+        Ok(())
+    }
+
     /// Per-CPU counters summed, indexed like `COUNTER_NAMES`.
     pub fn read_counters(&self) -> Result<Vec<u64>> {
         (0..MAX_COUNTERS).map(|i| Ok(self.counters.get(&i, 0)?.iter().sum())).collect()
@@ -159,8 +175,14 @@ impl MapWriter for Maps {
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<()> {
         Ok(self.backends.insert(&id, backend, 0)?)
     }
+    /// Removes the backend, then bumps the backends epoch: the datapath
+    /// skips checking an established flow's backend while the epoch is the
+    /// one its conntrack entry recorded, so the bump (after the removal) is
+    /// what makes each flow of this backend move to a live one on its next
+    /// packet. The reconciler reuses an ID only after removing it.
     fn del_backend(&mut self, id: u32) -> Result<()> {
-        Ok(self.backends.remove(&id)?)
+        self.backends.remove(&id)?;
+        self.bump_backends_epoch()
     }
     fn put_slot(&mut self, key: &SlotKey, backend_id: u32) -> Result<()> {
         Ok(self.slots.insert(key, &backend_id, 0)?)
