@@ -376,7 +376,7 @@ mod tests {
         assert_eq!(size_of::<SlotKey>(), 8);
         assert_eq!(size_of::<Backend>(), 20);
         assert_eq!(size_of::<CtKey>(), 40);
-        assert_eq!(size_of::<CtEntry>(), 64);
+        assert_eq!(size_of::<CtEntry>(), 72);
         assert_eq!(size_of::<SnatEntry>(), 24);
         assert_eq!(size_of::<CidrData>(), 16);
         assert_eq!(size_of::<SourceRangeData>(), 20);

@@ -149,13 +149,19 @@ fn targets(md: &mut String, m: &Measured) {
                 r.repeat
             ),
             met: Some(est < 100.0),
-            why: "The established path, as the datapath has it: parse, a conntrack lookup, a lookup of the \
-                  backend to check it is still the same, a second conntrack lookup to refresh last-seen \
-                  (touch), and the rewrite through the kernel's helpers: two checksum updates and a store for \
-                  the address, one of each for the port (bpf_l4_csum_replace, bpf_l3_csum_replace, \
-                  bpf_skb_store_bytes). Closing it: refresh last-seen through the pointer the first lookup \
-                  returned, keep the backend's generation in the conntrack entry instead of looking the \
-                  backend up, and write address and port with one store and one checksum delta (bpf_csum_diff)."
+            why: "The established path, as the datapath has it now: the headers read in place (direct packet \
+                  access), one conntrack lookup (a 40-byte key: two 16-byte addresses, IPv6-ready, hashed and \
+                  compared), the backends epoch (one array slot; the backend itself is looked up again only \
+                  after the agent removed a backend), last-seen from the coarse clock, and the rewrite: \
+                  address, IPv4 header checksum and port written in place, and two bpf_l4_csum_replace calls, \
+                  one for the pseudo-header part and one for the port, which cannot be folded into one because \
+                  a CHECKSUM_PARTIAL packet must take the first and not the second and a TC program cannot read \
+                  ip_summed. What is left is mostly those two helper calls and hashing the conntrack key. The \
+                  steady-state floor (the kernel's loop around the program) is listed beside it; SCTP pays \
+                  for the CRC32c update on top (a probe for CHECKSUM_PARTIAL and a fixed number of GF(2) \
+                  multiplications, proxy-ebpf/src/sctp.rs). Closing it: an IPv4-only conntrack key (16 bytes \
+                  instead of 40) or a per-CPU flow cache in front of the LRU, and XDP for traffic that enters \
+                  from a NIC (no skb, no checksum-offload state to respect)."
                 .into(),
         });
     }
