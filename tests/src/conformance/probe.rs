@@ -52,11 +52,10 @@ impl std::fmt::Display for Outcome {
 }
 
 /// Sends one request from `ns`, from `source` (any port), to `dest`.
-/// `freebind` lets the socket use a source the namespace does not hold.
-pub fn request(ns: &Netns, proto: Protocol, source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
+pub fn request(ns: &Netns, proto: Protocol, source: IpAddr, dest: SocketAddr) -> Outcome {
     let run = ns.run(move || match proto {
-        Protocol::TCP => tcp(source, freebind, dest),
-        Protocol::UDP => udp(source, freebind, dest),
+        Protocol::TCP => tcp(source, dest),
+        Protocol::UDP => udp(source, dest),
         Protocol::SCTP => Outcome::Error("SCTP is not probed with sockets here".into()),
     });
     run.unwrap_or_else(|e| Outcome::Error(e.to_string()))
@@ -65,8 +64,15 @@ pub fn request(ns: &Netns, proto: Protocol, source: IpAddr, freebind: bool, dest
 /// One request from a process on the node: `netprobe` run in the node's
 /// namespace and cgroup, so the agent's socket hooks see it. The socket
 /// must show `dest` as its peer, as it would with kube-proxy's DNAT.
+/// A loopback source is not bound: a process dialling 127.0.0.1 gets that
+/// source from the route, which, after the hook's translation, is the route
+/// to the backend (iptables instead rewrites 127.0.0.1 with route_localnet).
 pub fn request_from_node(netprobe: &Path, cgroup: &Cgroup, ns: &Netns, proto: Protocol, source: IpAddr, dest: SocketAddr) -> Outcome {
-    let out = match cgroup.command(ns, netprobe).args([proto.to_string(), dest.to_string(), source.to_string()]).output() {
+    let mut args = vec![proto.to_string(), dest.to_string()];
+    if !source.is_loopback() {
+        args.push(source.to_string());
+    }
+    let out = match cgroup.command(ns, netprobe).args(args).output() {
         Ok(out) => out,
         Err(e) => return Outcome::Error(format!("run netprobe: {e}")),
     };
@@ -87,11 +93,8 @@ pub fn request_from_node(netprobe: &Path, cgroup: &Cgroup, ns: &Netns, proto: Pr
     parse(reply)
 }
 
-fn socket(kind: Type, proto: SockProto, source: IpAddr, freebind: bool) -> std::io::Result<Socket> {
+fn socket(kind: Type, proto: SockProto, source: IpAddr) -> std::io::Result<Socket> {
     let s = Socket::new(Domain::for_address(SocketAddr::new(source, 0)), kind, Some(proto))?;
-    if freebind {
-        s.set_freebind_v4(true)?;
-    }
     s.bind(&SockAddr::from(SocketAddr::new(source, 0)))?;
     Ok(s)
 }
@@ -104,8 +107,8 @@ fn classify(e: &std::io::Error) -> Outcome {
     }
 }
 
-fn tcp(source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
-    let s = match socket(Type::STREAM, SockProto::TCP, source, freebind) {
+fn tcp(source: IpAddr, dest: SocketAddr) -> Outcome {
+    let s = match socket(Type::STREAM, SockProto::TCP, source) {
         Ok(s) => s,
         Err(e) => return Outcome::Error(format!("socket from {source}: {e}")),
     };
@@ -124,8 +127,8 @@ fn tcp(source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
     }
 }
 
-fn udp(source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
-    let s = match socket(Type::DGRAM, SockProto::UDP, source, freebind) {
+fn udp(source: IpAddr, dest: SocketAddr) -> Outcome {
+    let s = match socket(Type::DGRAM, SockProto::UDP, source) {
         Ok(s) => s,
         Err(e) => return Outcome::Error(format!("socket from {source}: {e}")),
     };
