@@ -279,6 +279,11 @@ impl Cluster {
         }
     }
 
+    /// Every pod's namespace (endpoints and pod clients, both nodes).
+    pub fn pod_namespaces(&self) -> Vec<&Netns> {
+        self.pods.values().map(|p| &p.ns).collect()
+    }
+
     /// The upstream router: it owns the LB IPs, and sends to an LB IP from
     /// that same IP through the node (see `Plan::lb_hairpin_ips`).
     pub fn lb_hairpin_client(&self) -> Client<'_> {

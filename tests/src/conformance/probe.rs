@@ -13,7 +13,11 @@ use std::{
 use socket2::{Domain, Protocol as SockProto, SockAddr, Socket, Type};
 
 use super::data::Protocol;
-use crate::{cgroup::Cgroup, netns::Netns};
+use crate::{
+    cgroup::Cgroup,
+    netns::Netns,
+    sctp::{self, Capture, chunk},
+};
 
 /// What a client sends: echo servers answer anything, and an HTTP server
 /// (the agent's healthCheckNodePort) answers this at once.
@@ -56,7 +60,7 @@ pub fn request(ns: &Netns, proto: Protocol, source: IpAddr, dest: SocketAddr) ->
     let run = ns.run(move || match proto {
         Protocol::TCP => tcp(source, dest),
         Protocol::UDP => udp(source, dest),
-        Protocol::SCTP => Outcome::Error("SCTP is not probed with sockets here".into()),
+        Protocol::SCTP => Outcome::Error("SCTP is probed with crafted packets: sctp_request".into()),
     });
     run.unwrap_or_else(|e| Outcome::Error(e.to_string()))
 }
@@ -156,4 +160,34 @@ fn parse(text: &str) -> Outcome {
         (Some(server), Some(seen)) => Outcome::Answer { server: server.to_string(), seen_client: seen.to_string() },
         _ => Outcome::Error(format!("unexpected reply {text:?}")),
     }
+}
+
+/// An SCTP INIT to `dest` from `client`, crafted (this kernel has no SCTP
+/// module to answer it): the endpoint it reaches, captured on the eth0 of
+/// each pod in `endpoints`, stands for the one that answers. The INIT must
+/// arrive with a valid CRC32c; a REJECT or DROP shows as no arrival.
+pub fn sctp_request(client: &Netns, dest: SocketAddr, endpoints: &[&Netns]) -> Outcome {
+    let (IpAddr::V4(dst_ip), port) = (dest.ip(), dest.port()) else { return Outcome::Error("SCTP over IPv6".into()) };
+    let captures: Result<Vec<Capture>, _> = endpoints.iter().map(|ns| Capture::open(ns, "eth0")).collect();
+    let captures = match captures {
+        Ok(c) => c,
+        Err(e) => return Outcome::Error(format!("capture at the endpoints: {e:#}")),
+    };
+    let (sport, tag) = (40000 + rand::random::<u16>() % 20000, rand::random::<u32>() | 1);
+    if let Err(e) = sctp::send_raw(client, dst_ip, sctp::packet(sport, port, 0, &[chunk::init(tag)])) {
+        return Outcome::Error(format!("send INIT: {e:#}"));
+    }
+    let ours = |s: &sctp::Seen| s.chunks.first() == Some(&sctp::CHUNK_INIT) && s.sctp.get(16..20) == Some(&tag.to_be_bytes()[..]);
+    let deadline = std::time::Instant::now() + WAIT;
+    while std::time::Instant::now() < deadline {
+        for capture in &captures {
+            if let Ok(got) = capture.next(Duration::from_millis(10), ours) {
+                if !got.seen.crc_ok() {
+                    return Outcome::Error(format!("INIT reached {} with a bad CRC32c", got.seen.dst));
+                }
+                return Outcome::Answer { server: got.seen.dst.to_string(), seen_client: got.seen.src.to_string() };
+            }
+        }
+    }
+    Outcome::Silence
 }
