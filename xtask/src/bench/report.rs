@@ -345,7 +345,8 @@ fn micro_section(md: &mut String, r: &micro::Results, figures: &Path) -> Result<
          targetPort), whose only endpoint is A: the first run turns the frame into one for B, the second back \
          into one for A, and every later run is an established flow with a full rewrite (address, port and \
          their checksums); the kernel's average per run, caches hot. Counters checked: 2 new, {} \
-         established in the first batch ({} batches, the median kept, so a burst of other load in one batch \
+         established in the first batch and only established runs in the others ({} batches, the median \
+         kept, so a burst of other load in one batch \
          does not move it); the frame out is checked as above. Its floor is the ARP frame with the same `repeat`: \
          the kernel's loop around the program, so *own* = steady minus that floor is the program's cost.\n",
         r.samples,
