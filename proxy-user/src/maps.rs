@@ -64,6 +64,21 @@ pub fn ensure_bpffs(root: &Path) -> Result<()> {
     std::fs::create_dir_all(root).with_context(|| format!("--bpffs-root {}: cannot create", root.display()))
 }
 
+/// What went wrong in terms an operator can act on: pinned maps from a build
+/// with another layout (an upgrade across a layout change), or permissions.
+fn load_error(e: aya::EbpfError, root: &Path) -> anyhow::Error {
+    if let aya::EbpfError::MapError(aya::maps::MapError::IncompatiblePinnedMap { name, property, expected, actual }) = &e {
+        return anyhow::anyhow!(
+            "the maps pinned under {root} come from an ebpf-proxy build with another map layout ({name}: {property} \
+             {actual}, this build needs {expected}). Run the version that pinned them, or remove them with \
+             `ebpf-proxy cleanup --bpffs-root {root}` and start this one (tracked connections are forgotten)",
+            root = root.display()
+        );
+    }
+    anyhow::Error::new(e)
+        .context("loading the BPF programs failed (is this process allowed to use BPF? CAP_BPF and CAP_NET_ADMIN are needed)")
+}
+
 /// Loads the programs; maps already pinned under `root` are reused, so a
 /// restart keeps services, backends and conntrack.
 pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
@@ -79,7 +94,7 @@ pub fn load_with_snat_ports(root: &Path, snat_ports: RangeInclusive<u16>) -> Res
         .override_global(GLOBAL_SNAT_PORT_MIN, &min, true)
         .override_global(GLOBAL_SNAT_PORT_MAX, &max, true)
         .load(BPF_OBJECT)
-        .context("loading the BPF programs failed (is this process allowed to use BPF? CAP_BPF and CAP_NET_ADMIN are needed)")?;
+        .map_err(|e| load_error(e, root))?;
     let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the BPF object"));
     let mut maps = Maps {
         frontends: take(MAP_FRONTENDS)?.try_into()?,
