@@ -48,7 +48,7 @@ mod program {
         conntrack,
         lb::{self, Miss},
         maps::{IPV6_PROGRAMS, count},
-        masquerade, nat, parse, parse6, reject, skb, sock, trace,
+        masquerade, nat, nat6, parse, parse6, reject, skb, sock, trace,
     };
 
     /// Leaves the packet to whatever runs next (TCX_NEXT / TC_ACT_UNSPEC).
@@ -113,7 +113,8 @@ mod program {
         let known = conntrack::lookup_mut(&pkt.tuple).filter(|ct| !reopens(ct));
         if let Some(ct) = known {
             trace::record::<TRACE>(ct.service_id, ct.backend_id, trace::FROM_CONNTRACK);
-            match ct.direction {
+            let direction = ct.direction;
+            match direction {
                 CT_REPLY => {
                     if !TRACE {
                         conntrack::touch(ct, pkt.closes_connection());
@@ -127,7 +128,7 @@ mod program {
                     set_mark(ctx, REVERSE_NAT_MARK);
                     return verdict::<TRACE>(done, Counter::Reply);
                 }
-                CT_ORIGINAL if lb::backend_still_matches(&*ct) => {
+                CT_ORIGINAL if lb::backend_still_matches(ct, !TRACE) => {
                     if !TRACE {
                         conntrack::touch(ct, pkt.closes_connection());
                     }
@@ -160,6 +161,7 @@ mod program {
             note::<TRACE>(Counter::DropSourceRange);
             return DROP;
         }
+        let epoch = lb::backends_epoch();
         let Some((backend_id, backend, sticky)) = lb::choose_backend(&service, &pkt.tuple.src, !TRACE) else {
             if service.flags & SVC_DROP_IF_EMPTY != 0 {
                 note::<TRACE>(Counter::DropNoLocal);
@@ -177,7 +179,7 @@ mod program {
         trace::record::<TRACE>(service.service_id, backend_id, scope as u32);
         if !TRACE {
             let ct_flags = if masquerade { CT_MASQUERADE } else { 0 };
-            if conntrack::create(&pkt.tuple, &service, backend_id, &backend, ct_flags).is_err() {
+            if conntrack::create(&pkt.tuple, &service, backend_id, &backend, ct_flags, epoch).is_err() {
                 count(Counter::CtFull);
             }
         }
@@ -212,12 +214,12 @@ mod program {
     /// reverse-NAT path in the same frame the stack would pass 512 bytes.
     #[classifier]
     pub fn tc_masquerade6(ctx: TcContext) -> i32 {
-        let Ok(pkt) = parse6::parse(&ctx) else { return NOT_OURS };
+        let Ok(pkt) = parse6::parse_in_place(&ctx) else { return NOT_OURS };
         let Some((addr, port)) = masquerade::source_for(&ctx, &pkt) else {
             count(Counter::SnatFailed);
             return NOT_OURS;
         };
-        match nat::rewrite_src(&ctx, &pkt, &addr, port) {
+        match nat6::rewrite_src(&ctx, &pkt, &addr, port) {
             Ok(()) => TC_ACT_OK as i32,
             Err(_) => {
                 count(Counter::RewriteFailed);
