@@ -27,10 +27,14 @@ pub struct EchoServer {
 }
 
 impl EchoServer {
-    /// TCP and UDP on `port`, on every address of the namespace.
+    /// TCP and UDP on `port`, on every IPv4 address of the namespace.
     pub fn start(ns: &Netns, name: &str, port: u16) -> Result<EchoServer> {
+        Self::start_on(ns, name, ([0, 0, 0, 0], port).into())
+    }
+
+    /// TCP and UDP on `bind` (`[::]:port`: IPv6 and IPv4 alike).
+    pub fn start_on(ns: &Netns, name: &str, bind: SocketAddr) -> Result<EchoServer> {
         let stop = Arc::new(AtomicBool::new(false));
-        let bind: SocketAddr = ([0, 0, 0, 0], port).into();
 
         let tcp = ns.run(move || TcpListener::bind(bind))?.with_context(|| format!("tcp bind {bind} in {}", ns.name))?;
         let udp = ns.run(move || UdpSocket::bind(bind))?.with_context(|| format!("udp bind {bind} in {}", ns.name))?;

@@ -2,14 +2,17 @@
 //! routed CNI (Calico-style) wires them: each pod has a /32 on `eth0` and a
 //! default route to a link-local gateway; the node routes each pod's /32 to
 //! its veth. Neighbours are static so nothing depends on ARP timing.
+//! An IPv6 pod is wired the same way: a /128 (no duplicate address
+//! detection, so it is usable at once) and a link-local gateway.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use anyhow::{Context, Result};
 
 use crate::{netns::Netns, unique_suffix};
 
 const POD_GATEWAY: &str = "169.254.1.1";
+const POD_GATEWAY6: &str = "fe80::1";
 
 pub struct Node {
     pub ns: Netns,
@@ -18,9 +21,9 @@ pub struct Node {
     next_if: u32,
 }
 
-pub struct Pod {
+pub struct Pod<A = Ipv4Addr> {
     pub name: String,
-    pub ip: Ipv4Addr,
+    pub ip: A,
     /// The node-side end of the pod's veth.
     pub host_if: String,
     pub ns: Netns,
@@ -34,10 +37,12 @@ impl Node {
         ns.sysctl("net.ipv4.ip_forward", "1")?;
         ns.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
         ns.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
+        ns.sysctl("net.ipv6.conf.all.forwarding", "1")?;
         Ok(Node { ns, prefix, next_if: 0 })
     }
 
-    pub fn add_pod(&mut self, name: &str, ip: Ipv4Addr) -> Result<Pod> {
+    pub fn add_pod<A: Into<IpAddr> + Copy>(&mut self, name: &str, addr: A) -> Result<Pod<A>> {
+        let ip: IpAddr = addr.into();
         let pod_ns = Netns::new(&format!("{}-{name}", self.prefix))?;
         let host_if = format!("{}h{}", self.prefix, self.next_if);
         self.next_if += 1;
@@ -51,17 +56,27 @@ impl Node {
         // trusting a partial checksum the datapath got wrong.
         let out = self.ns.command("ethtool").args(["-K", &host_if, "tx", "off"]).output()?;
         anyhow::ensure!(out.status.success(), "ethtool -K {host_if} tx off: {}", String::from_utf8_lossy(&out.stderr));
-        pod_ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+        let host = host_prefix(ip);
+        if ip.is_ipv4() {
+            pod_ns.ip(&["addr", "add", &host, "dev", "eth0"])?;
+        } else {
+            pod_ns.ip(&["addr", "add", &host, "dev", "eth0", "nodad"])?;
+        }
         pod_ns.ip(&["link", "set", "eth0", "up"])?;
 
         let host_mac = mac_of(&self.ns, &host_if)?;
         let pod_mac = mac_of(&pod_ns, "eth0")?;
-        pod_ns.ip(&["route", "add", POD_GATEWAY, "dev", "eth0", "scope", "link"])?;
-        pod_ns.ip(&["route", "add", "default", "via", POD_GATEWAY, "dev", "eth0"])?;
-        pod_ns.ip(&["neigh", "replace", POD_GATEWAY, "lladdr", &host_mac, "dev", "eth0", "nud", "permanent"])?;
-        self.ns.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_if])?;
+        if ip.is_ipv4() {
+            pod_ns.ip(&["route", "add", POD_GATEWAY, "dev", "eth0", "scope", "link"])?;
+            pod_ns.ip(&["route", "add", "default", "via", POD_GATEWAY, "dev", "eth0"])?;
+            pod_ns.ip(&["neigh", "replace", POD_GATEWAY, "lladdr", &host_mac, "dev", "eth0", "nud", "permanent"])?;
+        } else {
+            pod_ns.ip(&["-6", "route", "add", "default", "via", POD_GATEWAY6, "dev", "eth0"])?;
+            pod_ns.ip(&["neigh", "replace", POD_GATEWAY6, "lladdr", &host_mac, "dev", "eth0", "nud", "permanent"])?;
+        }
+        self.ns.ip(&["route", "add", &host, "dev", &host_if])?;
         self.ns.ip(&["neigh", "replace", &ip.to_string(), "lladdr", &pod_mac, "dev", &host_if, "nud", "permanent"])?;
-        Ok(Pod { name: name.to_string(), ip, host_if, ns: pod_ns })
+        Ok(Pod { name: name.to_string(), ip: addr, host_if, ns: pod_ns })
     }
 }
 
@@ -103,6 +118,11 @@ impl Node {
         }
         Ok(External { ns, node_if })
     }
+}
+
+/// `ip` as a one-address prefix: /32 or /128.
+pub fn host_prefix(ip: IpAddr) -> String {
+    format!("{ip}/{}", if ip.is_ipv4() { 32 } else { 128 })
 }
 
 /// The MAC address of `ifname` in `ns`.

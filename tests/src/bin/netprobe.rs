@@ -35,10 +35,12 @@ fn main() {
 }
 
 fn tcp(to: SocketAddr, from: Option<IpAddr>) -> std::io::Result<(SocketAddr, String)> {
-    let socket = Socket::new(Domain::IPV4, Type::STREAM, None)?;
+    let socket = Socket::new(Domain::for_address(to), Type::STREAM, None)?;
     if let Some(ip) = from {
         // Free bind: a source the node does not hold (traffic SNATted to an LB IP).
-        socket.set_freebind_v4(true)?;
+        if ip.is_ipv4() {
+            socket.set_freebind_v4(true)?;
+        }
         socket.bind(&SocketAddr::new(ip, 0).into())?;
     }
     socket.connect_timeout(&to.into(), TIMEOUT)?;
@@ -52,7 +54,8 @@ fn tcp(to: SocketAddr, from: Option<IpAddr>) -> std::io::Result<(SocketAddr, Str
 
 /// Unconnected, so the answer's source comes through recvmsg.
 fn udp(to: SocketAddr, from: Option<IpAddr>) -> std::io::Result<(SocketAddr, String)> {
-    let s = UdpSocket::bind(SocketAddr::new(from.unwrap_or(IpAddr::from([0, 0, 0, 0])), 0))?;
+    let any = if to.is_ipv4() { IpAddr::from([0, 0, 0, 0]) } else { IpAddr::from([0u16; 8]) };
+    let s = UdpSocket::bind(SocketAddr::new(from.unwrap_or(any), 0))?;
     s.set_read_timeout(Some(TIMEOUT))?;
     s.send_to(b"hello\n", to)?;
     let mut buf = [0u8; 1500];

@@ -5,6 +5,10 @@
 //!   its own namespace). `test-node`'s LAN interface holds every node address
 //!   of kube-proxy's fake proxier: 192.168.0.2, 192.168.1.2 and 192.168.99.11
 //!   (an ExternalIP that is also a node address); `node2` is 192.168.0.3.
+//! - An IPv6 setup gets kube-proxy's IPv6 node addresses too: 2001:db8::1
+//!   (the LAN's /64) and 2001:db8:1::2 on `test-node`, 2001:db8::3 on
+//!   `node2`, 2001:db8::fe upstream, without duplicate address detection;
+//!   pods, clients and routes then follow each address's family.
 //! - Each endpoint is a pod (own namespace, /32, Calico-style routing) on the
 //!   node its `nodeName` names; any other name, or none, lands on `node2`.
 //!   Each node routes the other's pod /32s via its LAN address.
@@ -27,7 +31,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::Path,
     time::Duration,
 };
@@ -40,7 +44,7 @@ use crate::{
     cgroup::Cgroup,
     echo::EchoServer,
     netns::Netns,
-    topology::{Node, Pod, mac_of},
+    topology::{Node, Pod, host_prefix, mac_of},
     unique_suffix,
 };
 
@@ -48,8 +52,12 @@ pub const TEST_NODE: &str = "test-node";
 pub const NODE2: &str = "node2";
 pub const NODE_IPS: [Ipv4Addr; 3] =
     [Ipv4Addr::new(192, 168, 0, 2), Ipv4Addr::new(192, 168, 1, 2), Ipv4Addr::new(192, 168, 99, 11)];
+pub const NODE_IPS6: [Ipv6Addr; 2] =
+    [Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1), Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 2)];
 const NODE2_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 3);
+const NODE2_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 3);
 const UPSTREAM_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 254);
+const UPSTREAM_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0xfe);
 const LAN_IF: &str = "lan0";
 const HEALTHY: Duration = Duration::from_secs(30);
 
@@ -63,14 +71,16 @@ pub struct EndpointSpec {
 /// What to build for one setup.
 #[derive(Debug, Default)]
 pub struct Plan {
-    pub endpoints: BTreeMap<Ipv4Addr, EndpointSpec>,
+    /// Give the nodes and the upstream router IPv6 addresses too.
+    pub ipv6: bool,
+    pub endpoints: BTreeMap<IpAddr, EndpointSpec>,
     /// Pod clients on test-node that are not endpoints.
-    pub pod_clients: BTreeSet<Ipv4Addr>,
-    pub external_clients: BTreeSet<Ipv4Addr>,
+    pub pod_clients: BTreeSet<IpAddr>,
+    pub external_clients: BTreeSet<IpAddr>,
     /// Ports on test-node where a "host" echo server listens.
     pub host_ports: BTreeSet<u16>,
     /// Destinations the upstream router owns, and the ports it answers on.
-    pub upstream_ips: BTreeSet<Ipv4Addr>,
+    pub upstream_ips: BTreeSet<IpAddr>,
     pub upstream_ports: BTreeSet<u16>,
     /// LB IPs the upstream router sends from to themselves, through the node.
     pub lb_hairpin_ips: BTreeSet<Ipv4Addr>,
@@ -87,8 +97,8 @@ pub enum Client<'a> {
 pub struct Cluster {
     agents: Vec<Agent>,
     _servers: Vec<EchoServer>,
-    pods: BTreeMap<Ipv4Addr, Pod>,
-    externals: BTreeMap<Ipv4Addr, Netns>,
+    pods: BTreeMap<IpAddr, Pod<IpAddr>>,
+    externals: BTreeMap<IpAddr, Netns>,
     upstream: Netns,
     pub test_node: Node,
     pub node2: Node,
@@ -131,14 +141,29 @@ impl Cluster {
         node2.ns.ip(&["neigh", "replace", &tn_ip, "lladdr", &tn_mac, "dev", LAN_IF, "nud", "permanent"])?;
         node2.ns.ip(&["route", "add", "default", "via", &tn_ip, "dev", LAN_IF])?;
         test_node.ns.ip(&["neigh", "replace", &NODE2_IP.to_string(), "lladdr", &n2_mac, "dev", LAN_IF, "nud", "permanent"])?;
+        let tn_ip6 = NODE_IPS6[0].to_string();
+        if plan.ipv6 {
+            for (i, ip) in NODE_IPS6.iter().enumerate() {
+                test_node.ns.ip(&["addr", "add", &format!("{ip}/{}", if i == 0 { 64 } else { 128 }), "dev", LAN_IF, "nodad"])?;
+            }
+            node2.ns.ip(&["addr", "add", &format!("{NODE2_IP6}/64"), "dev", LAN_IF, "nodad"])?;
+            node2.ns.ip(&["neigh", "replace", &tn_ip6, "lladdr", &tn_mac, "dev", LAN_IF, "nud", "permanent"])?;
+            node2.ns.ip(&["-6", "route", "add", "default", "via", &tn_ip6, "dev", LAN_IF])?;
+            test_node.ns.ip(&["neigh", "replace", &NODE2_IP6.to_string(), "lladdr", &n2_mac, "dev", LAN_IF, "nud", "permanent"])?;
+        }
 
         let upstream = Netns::new(&format!("{}-up", test_node.prefix))?;
         let up_mac = join_lan(&upstream, "eth0")?;
         upstream.ip(&["addr", "add", &format!("{UPSTREAM_IP}/24"), "dev", "eth0"])?;
         upstream.ip(&["neigh", "replace", &tn_ip, "lladdr", &tn_mac, "dev", "eth0", "nud", "permanent"])?;
         upstream.ip(&["route", "add", "default", "via", &tn_ip, "dev", "eth0"])?;
+        if plan.ipv6 {
+            upstream.ip(&["addr", "add", &format!("{UPSTREAM_IP6}/64"), "dev", "eth0", "nodad"])?;
+            upstream.ip(&["neigh", "replace", &tn_ip6, "lladdr", &tn_mac, "dev", "eth0", "nud", "permanent"])?;
+            upstream.ip(&["-6", "route", "add", "default", "via", &tn_ip6, "dev", "eth0"])?;
+        }
         for ip in &plan.upstream_ips {
-            upstream.ip(&["route", "add", "local", &format!("{ip}/32"), "dev", "lo"])?;
+            upstream.ip(&["route", "add", "local", &host_prefix(*ip), "dev", "lo"])?;
         }
         if !plan.lb_hairpin_ips.is_empty() {
             // Its own packets to these LB IPs go to the node (table 100 for
@@ -159,6 +184,10 @@ impl Cluster {
         }
         test_node.ns.ip(&["neigh", "replace", &UPSTREAM_IP.to_string(), "lladdr", &up_mac, "dev", LAN_IF, "nud", "permanent"])?;
         test_node.ns.ip(&["route", "add", "default", "via", &UPSTREAM_IP.to_string(), "dev", LAN_IF])?;
+        if plan.ipv6 {
+            test_node.ns.ip(&["neigh", "replace", &UPSTREAM_IP6.to_string(), "lladdr", &up_mac, "dev", LAN_IF, "nud", "permanent"])?;
+            test_node.ns.ip(&["-6", "route", "add", "default", "via", &UPSTREAM_IP6.to_string(), "dev", LAN_IF])?;
+        }
 
         let mut externals = BTreeMap::new();
         for ip in &plan.external_clients {
@@ -167,11 +196,16 @@ impl Cluster {
                 ns.sysctl(key, "0")?;
             }
             let mac = join_lan(&ns, "eth0")?;
-            ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
-            ns.ip(&["route", "add", &tn_ip, "dev", "eth0", "scope", "link"])?;
-            ns.ip(&["neigh", "replace", &tn_ip, "lladdr", &tn_mac, "dev", "eth0", "nud", "permanent"])?;
-            ns.ip(&["route", "add", "default", "via", &tn_ip, "dev", "eth0"])?;
-            test_node.ns.ip(&["route", "add", &format!("{ip}/32"), "dev", LAN_IF, "scope", "link"])?;
+            let (gw, family) = if ip.is_ipv4() { (&tn_ip, "-4") } else { (&tn_ip6, "-6") };
+            if ip.is_ipv4() {
+                ns.ip(&["addr", "add", &host_prefix(*ip), "dev", "eth0"])?;
+            } else {
+                ns.ip(&["addr", "add", &host_prefix(*ip), "dev", "eth0", "nodad"])?;
+            }
+            ns.ip(&["route", "add", gw, "dev", "eth0", "scope", "link"])?;
+            ns.ip(&["neigh", "replace", gw, "lladdr", &tn_mac, "dev", "eth0", "nud", "permanent"])?;
+            ns.ip(&[family, "route", "add", "default", "via", gw, "dev", "eth0"])?;
+            test_node.ns.ip(&["route", "add", &host_prefix(*ip), "dev", LAN_IF, "scope", "link"])?;
             test_node.ns.ip(&["neigh", "replace", &ip.to_string(), "lladdr", &mac, "dev", LAN_IF, "nud", "permanent"])?;
             externals.insert(*ip, ns);
         }
@@ -183,22 +217,26 @@ impl Cluster {
                 test_node.add_pod(&format!("e{n}"), *ip)?
             } else {
                 let pod = node2.add_pod(&format!("e{n}"), *ip)?;
-                test_node.ns.ip(&["route", "add", &format!("{ip}/32"), "via", &NODE2_IP.to_string(), "dev", LAN_IF])?;
+                let via = if ip.is_ipv4() { IpAddr::V4(NODE2_IP) } else { IpAddr::V6(NODE2_IP6) };
+                test_node.ns.ip(&["route", "add", &host_prefix(*ip), "via", &via.to_string(), "dev", LAN_IF])?;
                 pod
             };
             for port in &spec.ports {
-                servers.push(EchoServer::start(&pod.ns, &format!("{ip}:{port}"), *port)?);
+                let addr = std::net::SocketAddr::new(*ip, *port);
+                servers.push(EchoServer::start_on(&pod.ns, &addr.to_string(), any_addr(*ip, *port))?);
             }
             pods.insert(*ip, pod);
         }
         for (n, ip) in plan.pod_clients.iter().enumerate() {
             pods.insert(*ip, test_node.add_pod(&format!("c{n}"), *ip)?);
         }
+        // On an IPv6 setup `[::]` answers both families.
+        let any = if plan.ipv6 { IpAddr::V6(Ipv6Addr::UNSPECIFIED) } else { IpAddr::V4(Ipv4Addr::UNSPECIFIED) };
         for port in &plan.host_ports {
-            servers.push(EchoServer::start(&test_node.ns, &format!("host:{port}"), *port)?);
+            servers.push(EchoServer::start_on(&test_node.ns, &format!("host:{port}"), any_addr(any, *port))?);
         }
         for port in &plan.upstream_ports {
-            servers.push(EchoServer::start(&upstream, &format!("upstream:{port}"), *port)?);
+            servers.push(EchoServer::start_on(&upstream, &format!("upstream:{port}"), any_addr(any, *port))?);
         }
 
         Ok(Cluster {
@@ -269,11 +307,10 @@ impl Cluster {
 
     /// The pod or LAN host holding `ip`.
     pub fn client(&self, ip: IpAddr) -> Client<'_> {
-        let IpAddr::V4(v4) = ip else { return Client::Missing };
-        if let Some(pod) = self.pods.get(&v4) {
+        if let Some(pod) = self.pods.get(&ip) {
             return Client::Ns(&pod.ns);
         }
-        match self.externals.get(&v4) {
+        match self.externals.get(&ip) {
             Some(ns) => Client::Ns(ns),
             None => Client::Missing,
         }
@@ -307,8 +344,18 @@ impl Cluster {
 }
 
 /// A source that is the node itself: its addresses and loopback.
-pub fn is_node_local(ip: Ipv4Addr) -> bool {
-    ip.is_loopback() || NODE_IPS.contains(&ip)
+pub fn is_node_local(ip: IpAddr) -> bool {
+    ip.is_loopback()
+        || match ip {
+            IpAddr::V4(v4) => NODE_IPS.contains(&v4),
+            IpAddr::V6(v6) => NODE_IPS6.contains(&v6),
+        }
+}
+
+/// The unspecified address of `ip`'s family, on `port`.
+fn any_addr(ip: IpAddr, port: u16) -> std::net::SocketAddr {
+    let any = if ip.is_ipv4() { IpAddr::V4(Ipv4Addr::UNSPECIFIED) } else { IpAddr::V6(Ipv6Addr::UNSPECIFIED) };
+    std::net::SocketAddr::new(any, port)
 }
 
 /// Writes one file per object and removes files of objects that are gone, so

@@ -7,26 +7,21 @@
 
 use std::{
     collections::BTreeSet,
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, SocketAddr},
 };
 
+use ipnet::IpNet;
 use serde_yaml::Value;
 
-use super::cluster::NODE_IPS;
+use super::cluster::{NODE_IPS, NODE_IPS6};
 
 /// (kind, "address:port/PROTO"), as `dump services -o json` names them.
 pub type Frontend = (String, String);
 
-/// Whether `ip` is in `cidr` ("a.b.c.d/n", surrounding blanks allowed).
-/// IPv6 CIDRs select no IPv4 address.
-pub fn in_cidr(ip: Ipv4Addr, cidr: &str) -> bool {
-    let Some((net, len)) = cidr.trim().split_once('/') else { return false };
-    let (Ok(net), Ok(len)) = (net.parse::<Ipv4Addr>(), len.parse::<u32>()) else { return false };
-    if len > 32 {
-        return false;
-    }
-    let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
-    u32::from(ip) & mask == u32::from(net) & mask
+/// Whether `ip` is in `cidr` (surrounding blanks allowed). A CIDR of the
+/// other family selects nothing.
+pub fn in_cidr(ip: IpAddr, cidr: &str) -> bool {
+    cidr.trim().parse::<IpNet>().is_ok_and(|net| net.contains(&ip))
 }
 
 /// An endpoint kube-proxy may send to: serving (which defaults to ready,
@@ -49,9 +44,12 @@ pub fn expected(objects: &[Value], node_port_addresses: Option<&[String]>) -> BT
             Some((ns.to_string(), svc.to_string()))
         })
         .collect();
-    let node_ips: Vec<Ipv4Addr> = NODE_IPS
+    // An IPv6 setup's node also has the IPv6 addresses (see cluster.rs);
+    // a Service's NodePorts open on the addresses of its own family.
+    let node_ips: Vec<IpAddr> = NODE_IPS
         .iter()
-        .copied()
+        .map(|ip| IpAddr::V4(*ip))
+        .chain(NODE_IPS6.iter().map(|ip| IpAddr::V6(*ip)))
         .filter(|ip| node_port_addresses.is_none_or(|cidrs| cidrs.iter().any(|c| in_cidr(*ip, c))))
         .collect();
 
@@ -65,10 +63,10 @@ pub fn expected(objects: &[Value], node_port_addresses: Option<&[String]>) -> BT
         let spec = &svc["spec"];
         let kind = spec["type"].as_str().unwrap_or("ClusterIP");
         let Some(cluster_ip) = spec["clusterIP"].as_str().and_then(|s| s.parse::<IpAddr>().ok()) else { continue };
-        let v4 = |s: &Value| s.as_str().and_then(|s| s.trim().parse::<Ipv4Addr>().ok());
-        let external_ips: Vec<Ipv4Addr> = spec["externalIPs"].as_sequence().into_iter().flatten().filter_map(v4).collect();
-        let lb_ips: Vec<Ipv4Addr> = if kind == "LoadBalancer" {
-            svc["status"]["loadBalancer"]["ingress"].as_sequence().into_iter().flatten().filter_map(|i| v4(&i["ip"])).collect()
+        let same_family = |s: &Value| s.as_str().and_then(|s| s.trim().parse::<IpAddr>().ok()).filter(|ip| ip.is_ipv4() == cluster_ip.is_ipv4());
+        let external_ips: Vec<IpAddr> = spec["externalIPs"].as_sequence().into_iter().flatten().filter_map(same_family).collect();
+        let lb_ips: Vec<IpAddr> = if kind == "LoadBalancer" {
+            svc["status"]["loadBalancer"]["ingress"].as_sequence().into_iter().flatten().filter_map(|i| same_family(&i["ip"])).collect()
         } else {
             Vec::new()
         };
@@ -76,19 +74,19 @@ pub fn expected(objects: &[Value], node_port_addresses: Option<&[String]>) -> BT
             let proto = port["protocol"].as_str().unwrap_or("TCP");
             let Some(p) = port["port"].as_u64() else { continue };
             let mut add = |kind: &str, ip: IpAddr, p: u64| {
-                want.insert((kind.to_string(), format!("{ip}:{p}/{proto}")));
+                want.insert((kind.to_string(), format!("{}/{proto}", SocketAddr::new(ip, p as u16))));
             };
             add("ClusterIP", cluster_ip, p);
             if let Some(node_port) = port["nodePort"].as_u64().filter(|_| kind == "NodePort" || kind == "LoadBalancer") {
-                for ip in &node_ips {
-                    add("NodePort", IpAddr::V4(*ip), node_port);
+                for ip in node_ips.iter().filter(|ip| ip.is_ipv4() == cluster_ip.is_ipv4()) {
+                    add("NodePort", *ip, node_port);
                 }
             }
             for ip in &external_ips {
-                add("ExternalIP", IpAddr::V4(*ip), p);
+                add("ExternalIP", *ip, p);
             }
             for ip in &lb_ips {
-                add("LoadBalancer", IpAddr::V4(*ip), p);
+                add("LoadBalancer", *ip, p);
             }
         }
     }
@@ -101,7 +99,11 @@ pub fn dumped(rows: &serde_json::Value) -> BTreeSet<Frontend> {
         .into_iter()
         .flatten()
         .filter(|r| r["scope"].as_str().is_some_and(|s| !s.is_empty()))
-        .filter_map(|r| Some((r["type"].as_str()?.to_string(), r["frontend"].as_str()?.to_uppercase())))
+        .filter_map(|r| {
+            // Only the protocol is case-insensitive: IPv6 hex digits are lower case.
+            let (addr, proto) = r["frontend"].as_str()?.rsplit_once('/')?;
+            Some((r["type"].as_str()?.to_string(), format!("{addr}/{}", proto.to_uppercase())))
+        })
         .collect()
 }
 
@@ -111,12 +113,14 @@ mod tests {
 
     #[test]
     fn cidrs() {
-        let ip = Ipv4Addr::new(192, 168, 1, 2);
+        let ip: IpAddr = "192.168.1.2".parse().unwrap();
         assert!(in_cidr(ip, "192.168.1.0/24"));
         assert!(in_cidr(ip, " 192.168.1.2/32"));
         assert!(!in_cidr(ip, "192.168.0.0/24"));
         assert!(in_cidr(ip, "0.0.0.0/0"));
         assert!(!in_cidr(ip, "2001:db8::/64"));
+        assert!(in_cidr("2001:db8::1".parse().unwrap(), "2001:db8::/64"));
+        assert!(!in_cidr("2001:db8:1::2".parse().unwrap(), "2001:db8::/64"));
     }
 
     #[test]
@@ -159,5 +163,12 @@ mod tests {
             .collect()
         );
         assert_eq!(expected(&objects, None).iter().filter(|(k, _)| k == "NodePort").count(), NODE_IPS.len());
+        let v6 = serde_yaml::to_string(&objects).unwrap().replace("172.30.0.41", "fd00:172:30::41").replace("IPv4", "IPv6");
+        let v6: Vec<Value> = serde_yaml::from_str(&v6).unwrap();
+        let nodeports: Vec<_> = expected(&v6, Some(&["192.168.0.2/32".into(), "2001:db8::/64".into()]))
+            .into_iter()
+            .filter(|(k, _)| k == "NodePort" || k == "ClusterIP")
+            .collect();
+        assert_eq!(nodeports, vec![f("ClusterIP", "[fd00:172:30::41]:80/TCP"), f("NodePort", "[2001:db8::1]:3001/TCP")]);
     }
 }

@@ -3,7 +3,7 @@
 
 use std::{
     collections::BTreeSet,
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{IpAddr, SocketAddr},
     path::Path,
 };
 
@@ -58,21 +58,36 @@ enum Origin {
 
 fn origin(case: &Case) -> Origin {
     match case.source_ip {
-        IpAddr::V4(ip) if is_node_local(ip) => Origin::Node,
+        ip if is_node_local(ip) => Origin::Node,
         src if src == case.dest_ip => Origin::LbHairpin,
-        IpAddr::V4(ip) if ip.octets()[0] == 10 => Origin::Pod,
+        ip if is_pod_ip(ip) => Origin::Pod,
         _ => Origin::External,
     }
 }
 
+/// kube-proxy's pod addresses: 10.0.0.0/8, and fd00:10::/32 (which holds
+/// both the IPv6 pod CIDR and the endpoints fd00:10:180::/48).
+fn is_pod_ip(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.octets()[0] == 10,
+        IpAddr::V6(v6) => v6.segments()[..2] == [0xfd00, 0x10],
+    }
+}
+
+/// kube-proxy's test CIDRs; an IPv6 setup gets the IPv6 ones too
+/// (fd00:10::/64 is the IPv6 fake proxier's pod CIDR; the service CIDR
+/// holds its ClusterIPs fd00:172:30::/112).
 pub const SERVICE_CIDR: &str = "172.30.0.0/16";
 pub const CLUSTER_CIDR: &str = "10.0.0.0/8";
+pub const SERVICE_CIDR6: &str = "fd00:172:30::/112";
+pub const CLUSTER_CIDR6: &str = "fd00:10::/64";
 
 /// The agent flags for a setup, in ebpf-proxy's (kube-proxy's) names.
 pub fn agent_flags(setup: &Setup) -> Vec<String> {
-    let mut flags = vec!["--service-cidr".to_string(), SERVICE_CIDR.to_string()];
+    let both = |v4: &str, v6: &str| if setup.family == Family::IPv6 { format!("{v4},{v6}") } else { v4.to_string() };
+    let mut flags = vec!["--service-cidr".to_string(), both(SERVICE_CIDR, SERVICE_CIDR6)];
     if setup.config.local_detector {
-        flags.extend(["--cluster-cidr".to_string(), CLUSTER_CIDR.to_string()]);
+        flags.extend(["--cluster-cidr".to_string(), both(CLUSTER_CIDR, CLUSTER_CIDR6)]);
     }
     if let Some(cidrs) = &setup.config.node_port_addresses {
         flags.extend(["--node-port-addresses".to_string(), cidrs.join(",")]);
@@ -90,7 +105,7 @@ pub fn agent_flags(setup: &Setup) -> Vec<String> {
 
 /// Every pod, client and host port the setup's phases need.
 pub fn plan(setup: &Setup) -> Plan {
-    let mut plan = Plan::default();
+    let mut plan = Plan { ipv6: setup.family == Family::IPv6, ..Plan::default() };
     for phase in &setup.phases {
         for obj in &phase.objects {
             if obj["kind"].as_str() != Some("EndpointSlice") {
@@ -106,7 +121,7 @@ pub fn plan(setup: &Setup) -> Plan {
             for ep in obj["endpoints"].as_sequence().into_iter().flatten() {
                 let on_test_node = ep["nodeName"].as_str() == Some(TEST_NODE);
                 for addr in ep["addresses"].as_sequence().into_iter().flatten() {
-                    let Some(ip) = addr.as_str().and_then(|s| s.parse::<Ipv4Addr>().ok()) else { continue };
+                    let Some(ip) = addr.as_str().and_then(|s| s.parse::<IpAddr>().ok()) else { continue };
                     let spec = plan.endpoints.entry(ip).or_insert_with(|| EndpointSpec { on_test_node, ..Default::default() });
                     spec.ports.extend(&ports);
                 }
@@ -123,12 +138,12 @@ pub fn plan(setup: &Setup) -> Plan {
         .collect();
     for phase in &setup.phases {
         for case in &phase.cases {
-            let (IpAddr::V4(src), IpAddr::V4(dst)) = (case.source_ip, case.dest_ip) else { continue };
+            let (src, dst) = (case.source_ip, case.dest_ip);
             if is_node_local(dst) {
                 if !health_checks.contains(&case.dest_port) {
                     plan.host_ports.insert(case.dest_port);
                 }
-            } else if dst.octets()[0] != 10 {
+            } else if !is_pod_ip(dst) {
                 plan.upstream_ips.insert(dst);
                 plan.upstream_ports.insert(case.dest_port);
             }
@@ -143,7 +158,9 @@ pub fn plan(setup: &Setup) -> Plan {
                     plan.external_clients.insert(src);
                 }
                 Origin::LbHairpin => {
-                    plan.lb_hairpin_ips.insert(src);
+                    if let IpAddr::V4(src) = src {
+                        plan.lb_hairpin_ips.insert(src);
+                    }
                 }
                 Origin::Node => {}
             }
@@ -206,10 +223,6 @@ pub fn run_setup(kind: &str, setup: &Setup, netprobe: &Path, report: &(dyn Fn(&C
         all
     };
 
-    if setup.family == Family::IPv6 {
-        everything(Status::Skip, "IPv6: the conformance topology is IPv4-only for now (see docs/ipv6.md)").into_iter().for_each(&mut record);
-        return results;
-    }
     let cluster = match build(setup) {
         Ok(c) => c,
         Err(e) => {
