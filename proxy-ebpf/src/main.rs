@@ -265,22 +265,42 @@ mod program {
 
     #[cgroup_sock_addr(connect4)]
     pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
-        sock::translate(&ctx)
+        sock::translate(&ctx, sock::Family::V4)
     }
 
     #[cgroup_sock_addr(sendmsg4)]
     pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
-        sock::translate(&ctx)
+        sock::translate(&ctx, sock::Family::V4)
     }
 
     #[cgroup_sock_addr(recvmsg4)]
     pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
-        sock::reverse(&ctx)
+        sock::reverse(&ctx, sock::Family::V4)
     }
 
     #[cgroup_sock_addr(getpeername4)]
     pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
-        sock::reverse(&ctx)
+        sock::reverse(&ctx, sock::Family::V4)
+    }
+
+    #[cgroup_sock_addr(connect6)]
+    pub fn sock_connect6(ctx: SockAddrContext) -> i32 {
+        sock::translate(&ctx, sock::Family::V6)
+    }
+
+    #[cgroup_sock_addr(sendmsg6)]
+    pub fn sock_sendmsg6(ctx: SockAddrContext) -> i32 {
+        sock::translate(&ctx, sock::Family::V6)
+    }
+
+    #[cgroup_sock_addr(recvmsg6)]
+    pub fn sock_recvmsg6(ctx: SockAddrContext) -> i32 {
+        sock::reverse(&ctx, sock::Family::V6)
+    }
+
+    #[cgroup_sock_addr(getpeername6)]
+    pub fn sock_getpeername6(ctx: SockAddrContext) -> i32 {
+        sock::reverse(&ctx, sock::Family::V6)
     }
 
     #[inline(always)]

@@ -6,6 +6,8 @@
 //! frontend back, so the application only ever sees the address it dialled.
 //! No NAT happens: the socket talks to the backend directly, from a node
 //! address, which is what kube-proxy's masquerade would have made of it.
+//! The IPv6 hooks (connect6, ...) read and write `user_ip6`; an IPv4-mapped
+//! address dialled on an IPv6 socket is the IPv4 frontend, as in the maps.
 
 use aya_ebpf::{
     EbpfContext,
@@ -26,17 +28,53 @@ const PROCEED: i32 = 1;
 const FAIL: i32 = 0;
 const ECONNREFUSED: i32 = 111;
 
+/// Which address field of the context a hook uses.
+#[derive(Clone, Copy)]
+pub enum Family {
+    V4,
+    V6,
+}
+
 #[inline(always)]
 fn sock(ctx: &SockAddrContext) -> &mut aya_ebpf::bindings::bpf_sock_addr {
     unsafe { &mut *ctx.sock_addr }
 }
 
-/// connect4 / sendmsg4: a frontend's address becomes a backend's.
+/// The address the caller passed (connect, sendmsg) or is shown (recvmsg,
+/// getpeername). `user_ip6` is read one 32-bit word at a time, the only
+/// access the verifier allows; each word is in network order.
 #[inline(always)]
-pub fn translate(ctx: &SockAddrContext) -> i32 {
+fn user_addr(s: &aya_ebpf::bindings::bpf_sock_addr, family: Family) -> Addr {
+    match family {
+        Family::V4 => Addr::from_v4_octets(s.user_ip4.to_ne_bytes()),
+        Family::V6 => {
+            let mut a = [0u8; 16];
+            for (i, word) in s.user_ip6.iter().enumerate() {
+                a[i * 4..i * 4 + 4].copy_from_slice(&word.to_ne_bytes());
+            }
+            Addr(a)
+        }
+    }
+}
+
+#[inline(always)]
+fn set_user_addr(s: &mut aya_ebpf::bindings::bpf_sock_addr, family: Family, addr: &Addr) {
+    match family {
+        Family::V4 => s.user_ip4 = u32::from_ne_bytes(addr.v4_octets()),
+        Family::V6 => {
+            for i in 0..4 {
+                s.user_ip6[i] = u32::from_ne_bytes([addr.0[i * 4], addr.0[i * 4 + 1], addr.0[i * 4 + 2], addr.0[i * 4 + 3]]);
+            }
+        }
+    }
+}
+
+/// connect / sendmsg: a frontend's address becomes a backend's.
+#[inline(always)]
+pub fn translate(ctx: &SockAddrContext, family: Family) -> i32 {
     let s = sock(ctx);
     let proto = s.protocol as u8;
-    let addr = Addr::from_v4_octets(s.user_ip4.to_ne_bytes());
+    let addr = user_addr(s, family);
     let port = s.user_port as u16;
     let tuple = proxy_common::CtKey { src: Addr::default(), dst: addr, sport: 0, dport: port, proto, _pad: [0; 3] };
     // The node counts as in-cluster: for externalTrafficPolicy=Local frontends
@@ -54,25 +92,24 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     let key = SockRevKey { cookie: cookie(ctx), addr: backend.addr, port: backend.port, proto, _pad: [0; 5] };
     let frontend = FrontendKey { addr, port, proto, scope: SCOPE_INTERNAL };
     let _ = SOCK_REVNAT.insert(&key, &frontend, BPF_ANY as u64);
-    let octets = backend.addr.v4_octets();
-    s.user_ip4 = u32::from_ne_bytes(octets);
+    set_user_addr(s, family, &backend.addr);
     s.user_port = backend.port as u32;
     PROCEED
 }
 
-/// getpeername4 / recvmsg4: a backend's address is shown as the frontend's.
+/// getpeername / recvmsg: a backend's address is shown as the frontend's.
 #[inline(always)]
-pub fn reverse(ctx: &SockAddrContext) -> i32 {
+pub fn reverse(ctx: &SockAddrContext, family: Family) -> i32 {
     let s = sock(ctx);
     let key = SockRevKey {
         cookie: cookie(ctx),
-        addr: Addr::from_v4_octets(s.user_ip4.to_ne_bytes()),
+        addr: user_addr(s, family),
         port: s.user_port as u16,
         proto: s.protocol as u8,
         _pad: [0; 5],
     };
     if let Some(frontend) = unsafe { SOCK_REVNAT.get(&key) } {
-        s.user_ip4 = u32::from_ne_bytes(frontend.addr.v4_octets());
+        set_user_addr(s, family, &frontend.addr);
         s.user_port = frontend.port as u32;
     }
     PROCEED

@@ -19,7 +19,16 @@ use tracing::{info, warn};
 use crate::maps::links_dir;
 
 /// Program names in the object; the link pins are `cgroup-<name>`.
-pub const SOCK_PROGRAMS: [&str; 4] = ["sock_connect4", "sock_sendmsg4", "sock_recvmsg4", "sock_getpeername4"];
+pub const SOCK_PROGRAMS: [&str; 8] = [
+    "sock_connect4",
+    "sock_sendmsg4",
+    "sock_recvmsg4",
+    "sock_getpeername4",
+    "sock_connect6",
+    "sock_sendmsg6",
+    "sock_recvmsg6",
+    "sock_getpeername6",
+];
 
 const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
 
