@@ -3,9 +3,13 @@
 //! TCP and UDP, sees the service address as its peer (getpeername, recvmsg),
 //! gets ECONNREFUSED from a Service without endpoints, and a process outside
 //! the agent's cgroup is left alone. The hooks outlive a SIGTERM and go with
-//! `cleanup`.
+//! `cleanup`. The same for an IPv6 Service, through the IPv6 hooks.
 
-use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
+use std::{
+    collections::BTreeSet,
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    time::Duration,
+};
 
 use anyhow::{Context, Result};
 use proxy_tests::{
@@ -111,5 +115,74 @@ fn node_processes_reach_services_through_the_socket_hooks() -> Result<()> {
     assert!(out.status.success(), "cleanup: {}", String::from_utf8_lossy(&out.stderr));
     let after = probe(Some(&cg), &node.ns, "tcp", "10.96.0.10:80")?;
     assert!(after.starts_with("error="), "still translated after cleanup: {after}");
+    Ok(())
+}
+
+const MANIFESTS_V6: &str = r#"apiVersion: v1
+kind: Service
+metadata: {name: web6, namespace: demo}
+spec:
+  clusterIP: fd00:96::10
+  ipFamilies: [IPv6]
+  ports:
+  - {name: tcp, port: 80, targetPort: 8080}
+  - {name: udp, port: 53, targetPort: 5353, protocol: UDP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web6-1, namespace: demo, labels: {kubernetes.io/service-name: web6}}
+addressType: IPv6
+ports: [{name: tcp, port: 8080}, {name: udp, port: 5353, protocol: UDP}]
+endpoints:
+- {addresses: ["fd00:244::11"]}
+- {addresses: ["fd00:244::12"]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: empty6, namespace: demo}
+spec:
+  clusterIP: fd00:96::12
+  ipFamilies: [IPv6]
+  ports: [{name: tcp, port: 80}]
+"#;
+
+/// connect6 and sendmsg6 pick a backend, getpeername6 and recvmsg6 show the
+/// ClusterIP back, and a Service without endpoints is refused.
+#[test]
+fn node_processes_reach_ipv6_services_through_the_socket_hooks() -> Result<()> {
+    assert!(is_root(), "needs root (network namespaces, cgroups and BPF)");
+    let mut node = Node::new("nodelocal6")?;
+    // The node's own IPv6 address: the source its processes reach pods from.
+    node.ns.ip(&["addr", "add", "2001:db8::2/128", "dev", "lo", "nodad"])?;
+    let b1 = node.add_pod("b1", "fd00:244::11".parse::<Ipv6Addr>()?)?;
+    let b2 = node.add_pod("b2", "fd00:244::12".parse::<Ipv6Addr>()?)?;
+    let mut servers = Vec::new();
+    for p in [&b1, &b2] {
+        for port in [8080, 5353] {
+            servers.push(EchoServer::start_on(&p.ns, &p.name, SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), port))?);
+        }
+    }
+    let cg = Cgroup::new("nodelocal6")?;
+    let bpffs = Bpffs::new("nodelocal6")?;
+    let root = bpffs.path().join("agent");
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("svc.yaml"), MANIFESTS_V6)?;
+    let cg_flag = cg.path().to_str().unwrap().to_string();
+    let mut agent = Agent::start(&node.ns, dir.path(), &root, &["--cgroup-root", &cg_flag])?;
+    agent.wait_healthy(&node.ns, TIMEOUT)?;
+
+    for (proto, to) in [("tcp", "[fd00:96::10]:80"), ("udp", "[fd00:96::10]:53")] {
+        let mut answered = BTreeSet::new();
+        for _ in 0..12 {
+            let line = probe(Some(&cg), &node.ns, proto, to).with_context(|| agent.logs())?;
+            assert!(line.starts_with(&format!("peer={to} reply=")), "{proto} {to}: {line}\n{}", agent.logs());
+            let backend = line.split("reply=").nth(1).and_then(|r| r.split_whitespace().next()).unwrap_or_default();
+            answered.insert(backend.to_string());
+        }
+        assert_eq!(answered, BTreeSet::from(["b1".to_string(), "b2".to_string()]), "{proto} {to}");
+    }
+    assert_eq!(probe(Some(&cg), &node.ns, "tcp", "[fd00:96::12]:80")?, "error=ConnectionRefused", "no endpoints: REJECT");
+    let outside = probe(None, &node.ns, "tcp", "[fd00:96::10]:80")?;
+    assert!(outside.starts_with("error="), "outside the cgroup: {outside}");
     Ok(())
 }
