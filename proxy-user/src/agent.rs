@@ -19,8 +19,9 @@ use crate::{
     health::{self, Health},
     healthcheck::{self, HealthCheckServers},
     maps::{self, Maps},
+    incremental::{self, Update},
     metrics::{self, Metrics, TriggerTimes},
-    model::{self, ModelConfig, ObjectError},
+    model::{ModelConfig, ObjectError},
     node_addrs::{self, NodeAddrs},
     reconciler::Reconciler,
     source::{Configured, Snapshot, Source, kube::{self as kube_source, KubeSource}, manifests::ManifestsSource},
@@ -82,6 +83,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
     let mut syncer = Syncer {
         config,
+        model: incremental::Model::default(),
+        maps_behind: true,
         last_errors: Vec::new(),
         health,
         metrics,
@@ -148,6 +151,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
 struct Syncer {
     config: ModelConfig,
+    model: incremental::Model,
+    /// The maps may differ from the model by more than the next update's
+    /// touched keys (first sync, or the last one failed): sync everything.
+    maps_behind: bool,
     last_errors: Vec<ObjectError>,
     health: Health,
     metrics: Metrics,
@@ -158,7 +165,8 @@ impl Syncer {
     /// One pass; false when it must be retried.
     fn sync(&mut self, snap: &Snapshot, reconciler: &mut Reconciler, maps: &mut Maps) -> bool {
         let start = std::time::Instant::now();
-        let (desired, errors) = model::build(snap, &self.config);
+        let update = self.model.update(snap, &self.config);
+        let errors = self.model.errors();
         // Each bad object is reported when it appears, not on every sync.
         let new: Vec<&ObjectError> = errors.iter().filter(|e| !self.last_errors.contains(e)).collect();
         for e in &new {
@@ -166,7 +174,13 @@ impl Syncer {
         }
         self.metrics.skipped(&errors, &new);
         self.last_errors = errors;
-        match reconciler.sync(&desired, maps) {
+        let desired = self.model.desired();
+        let result = match update {
+            Update::Touched(touched) if !self.maps_behind => reconciler.sync_touched(desired, &touched, maps),
+            _ => reconciler.sync(desired, maps),
+        };
+        self.maps_behind = result.is_err();
+        match result {
             Ok(stats) => {
                 self.health.sync_succeeded();
                 let now = chrono::Utc::now();
