@@ -43,10 +43,8 @@ pub enum Update {
     Touched(Touched),
 }
 
-/// One Service's inputs (compared by pointer) and what they gave.
+/// What one Service's objects gave.
 struct Part {
-    service: Arc<Service>,
-    slices: Vec<Arc<EndpointSlice>>,
     state: DesiredState,
     errors: Vec<ObjectError>,
 }
@@ -65,26 +63,46 @@ impl FlagCounts {
     }
 }
 
+/// An object of the last snapshot, held so its address (its identity
+/// here) cannot be reused by another object while it is remembered.
+enum Held {
+    Service(#[allow(dead_code)] Arc<Service>),
+    Slice(#[allow(dead_code)] Arc<EndpointSlice>),
+}
+
+struct Seen {
+    /// The Service (index into `keys`) the object belongs to.
+    key: u32,
+    generation: u64,
+    _object: Held,
+}
+
+/// Slices without the service-name label share this key.
+const UNLABELLED: u32 = 0;
+
 #[derive(Default)]
 pub struct Model {
     config: Option<(ModelConfig, String)>,
-    /// By `namespace\0name`, which sorts as (namespace, name) does.
+    /// Every object of the last snapshot, by address.
+    seen: HashMap<usize, Seen>,
+    generation: u64,
+    /// Service keys as `namespace\0name` (sorts as (namespace, name) does),
+    /// interned; index 0 is UNLABELLED.
+    keys: Vec<String>,
+    key_ids: HashMap<String, u32>,
     parts: BTreeMap<String, Part>,
+    /// What in a key's objects as a whole was skipped (duplicate Services,
+    /// slices without a Service or label).
+    key_errors: BTreeMap<u32, Vec<ObjectError>>,
     desired: DesiredState,
     /// How many Services claim each frontend and ClusterIP.
     frontend_claims: HashMap<FrontendKey, u32>,
     cluster_ip_claims: HashMap<IpAddr, u32>,
     backend_claims: HashMap<BackendTuple, FlagCounts>,
-    /// Errors of the snapshot as a whole (slices without a Service, ...).
-    group_errors: Vec<ObjectError>,
 }
 
-fn part_key<'b>(buf: &'b mut String, key: ServiceKey) -> &'b str {
-    buf.clear();
-    buf.push_str(key.0);
-    buf.push('\0');
-    buf.push_str(key.1);
-    buf
+fn joined(key: ServiceKey) -> String {
+    format!("{}\0{}", key.0, key.1)
 }
 
 impl Model {
@@ -92,51 +110,114 @@ impl Model {
         &self.desired
     }
 
-    /// What was skipped, in the order `model::build` reports it.
+    /// What was skipped (the same as `model::build` reports, not in its order).
     pub fn errors(&self) -> Vec<ObjectError> {
         let parts = self.parts.values().flat_map(|p| p.errors.iter());
-        self.group_errors.iter().chain(parts).cloned().collect()
+        self.key_errors.values().flatten().chain(parts).cloned().collect()
     }
 
+    fn key_id(&mut self, key: ServiceKey) -> u32 {
+        let joined = joined(key);
+        if let Some(id) = self.key_ids.get(&joined) {
+            return *id;
+        }
+        let id = self.keys.len() as u32;
+        self.keys.push(joined.clone());
+        self.key_ids.insert(joined, id);
+        id
+    }
+
+    /// Brings the state up to `snapshot`. Objects are told apart by address:
+    /// one not seen before, or seen before and now gone, marks its Service
+    /// as touched, and only touched Services are rebuilt. The cost is a hash
+    /// lookup per object, plus the work of what changed.
     pub fn update(&mut self, snapshot: &Snapshot, config: &ModelConfig) -> Update {
         let zone = topology::node_zone(snapshot.node.as_ref());
         let everything = self.config.as_ref().is_none_or(|(c, z)| c != config || z != zone);
         if everything {
             *self = Model { config: Some((config.clone(), zone.to_string())), ..Default::default() };
+            self.keys.push("\0unlabelled".into());
         }
-        let grouped = model::group(snapshot);
-        let mut touched = Touched::default();
-
-        let gone: Vec<String> = self
-            .parts
-            .keys()
-            .filter(|k| k.split_once('\0').is_none_or(|key| !grouped.services.contains_key(&key)))
-            .cloned()
-            .collect();
-        for key in gone {
-            let part = self.parts.remove(&key).expect("listed");
-            self.retract(&part, &mut touched);
-        }
-        let mut buf = String::new();
-        for (key, svc) in &grouped.services {
-            let slices = grouped.slices.get(key).map(Vec::as_slice).unwrap_or(&[]);
-            let same = self.parts.get(part_key(&mut buf, *key)).is_some_and(|p| {
-                Arc::ptr_eq(&p.service, svc)
-                    && p.slices.len() == slices.len()
-                    && p.slices.iter().zip(slices).all(|(a, b)| Arc::ptr_eq(a, b))
-            });
-            if same {
-                continue;
+        self.generation += 1;
+        let generation = self.generation;
+        let mut keys: BTreeSet<u32> = BTreeSet::new();
+        for svc in &snapshot.services {
+            match self.seen.get_mut(&(Arc::as_ptr(svc) as usize)) {
+                Some(seen) => seen.generation = generation,
+                None => {
+                    let key = self.key_id(model::service_key(svc));
+                    keys.insert(key);
+                    let seen = Seen { key, generation, _object: Held::Service(Arc::clone(svc)) };
+                    self.seen.insert(Arc::as_ptr(svc) as usize, seen);
+                }
             }
-            if let Some(old) = self.parts.remove(buf.as_str()) {
+        }
+        for slice in &snapshot.slices {
+            match self.seen.get_mut(&(Arc::as_ptr(slice) as usize)) {
+                Some(seen) => seen.generation = generation,
+                None => {
+                    let key = model::slice_owner(slice).map_or(UNLABELLED, |k| self.key_id(k));
+                    keys.insert(key);
+                    let seen = Seen { key, generation, _object: Held::Slice(Arc::clone(slice)) };
+                    self.seen.insert(Arc::as_ptr(slice) as usize, seen);
+                }
+            }
+        }
+        self.seen.retain(|_, seen| {
+            let live = seen.generation == generation;
+            if !live {
+                keys.insert(seen.key);
+            }
+            live
+        });
+
+        let mut touched = Touched::default();
+        if keys.is_empty() {
+            return if everything { Update::Everything } else { Update::Touched(touched) };
+        }
+        // The touched keys' objects, in snapshot order.
+        let mut services: HashMap<u32, Vec<&Arc<Service>>> = HashMap::new();
+        let mut slices: HashMap<u32, Vec<&Arc<EndpointSlice>>> = HashMap::new();
+        for svc in &snapshot.services {
+            let key = self.seen[&(Arc::as_ptr(svc) as usize)].key;
+            if keys.contains(&key) {
+                services.entry(key).or_default().push(svc);
+            }
+        }
+        for slice in &snapshot.slices {
+            let key = self.seen[&(Arc::as_ptr(slice) as usize)].key;
+            if keys.contains(&key) {
+                slices.entry(key).or_default().push(slice);
+            }
+        }
+        for key in keys {
+            let svcs = services.remove(&key).unwrap_or_default();
+            let its_slices = slices.remove(&key).unwrap_or_default();
+            let joined = self.keys[key as usize].clone();
+            let service_key = joined.split_once('\0').unwrap_or(("", ""));
+            let mut errors = Vec::new();
+            if key == UNLABELLED {
+                errors.extend(its_slices.iter().map(|s| model::unlabelled_slice(s)));
+            } else if svcs.is_empty() {
+                errors.extend(its_slices.iter().map(|s| model::orphan_slice(service_key, s)));
+            } else {
+                errors.extend((1..svcs.len()).map(|_| model::duplicate_service(service_key)));
+            }
+            if let Some(old) = self.parts.remove(&joined) {
                 self.retract(&old, &mut touched);
             }
-            let (state, errors) = model::build_part(*key, svc, slices, config, zone);
-            let part = Part { service: Arc::clone(svc), slices: slices.iter().map(|s| Arc::clone(s)).collect(), state, errors };
-            self.assert(*key, &part, &mut touched);
-            self.parts.insert(buf.clone(), part);
+            if let Some(svc) = svcs.last() {
+                let (state, part_errors) = model::build_part(service_key, svc, &its_slices, config, zone);
+                let part = Part { state, errors: part_errors };
+                self.assert(service_key, &part, &mut touched);
+                self.parts.insert(joined, part);
+            }
+            if errors.is_empty() {
+                self.key_errors.remove(&key);
+            } else {
+                self.key_errors.insert(key, errors);
+            }
         }
-        self.group_errors = grouped.errors;
         if everything { Update::Everything } else { Update::Touched(touched) }
     }
 
@@ -301,8 +382,9 @@ mod tests {
             (rng % n as u64) as usize
         };
         const N: usize = 12;
-        let mut services: Vec<Option<Arc<Service>>> = vec![None; N];
-        let mut slices: Vec<Option<Arc<EndpointSlice>>> = vec![None; N];
+        // Slot N + i: a second definition of Service i, or a slice of i without its label.
+        let mut services: Vec<Option<Arc<Service>>> = vec![None; 2 * N];
+        let mut slices: Vec<Option<Arc<EndpointSlice>>> = vec![None; 2 * N];
         let mut config = ModelConfig { node_name: "node-a".into(), node_addresses: vec!["192.168.0.2".parse().unwrap()], ..Default::default() };
         let mut model = Model::default();
         let mut before = DesiredState::default();
@@ -310,9 +392,17 @@ mod tests {
         let (mut by_touched, mut by_full) = (Reconciler::adopt(Contents::default()), Reconciler::adopt(Contents::default()));
         for step in 0..600 {
             let i = next(N);
-            match next(7) {
-                0 => services[i] = None,
-                1 => slices[i] = None,
+            match next(9) {
+                0 => services[i + N * next(2)] = None,
+                1 => slices[i + N * next(2)] = None,
+                7 => match parse(&service(i, next(8))) {
+                    manifest::Object::Service(s) => services[i + N] = Some(s),
+                    _ => unreachable!(),
+                },
+                8 => match parse(&slice(i, next(8)).replace("labels: {kubernetes.io/service-name: svc", "labels: {x: svc")) {
+                    manifest::Object::EndpointSlice(s) => slices[i + N] = Some(s),
+                    _ => unreachable!(),
+                },
                 2 | 3 => match parse(&service(i, next(8))) {
                     manifest::Object::Service(s) => services[i] = Some(s),
                     _ => unreachable!(),
@@ -331,7 +421,11 @@ mod tests {
             let update = model.update(&snap, &config);
             let (want, want_errors) = model::build(&snap, &config);
             assert_eq!(model.desired(), &want, "step {step}");
-            assert_eq!(model.errors(), want_errors, "step {step}");
+            let sorted = |mut v: Vec<ObjectError>| {
+                v.sort_by(|a, b| (&a.object, &a.reason).cmp(&(&b.object, &b.reason)));
+                v
+            };
+            assert_eq!(sorted(model.errors()), sorted(want_errors), "step {step}");
             by_full.sync(&want, &mut full_maps).unwrap();
             match &update {
                 Update::Touched(t) => by_touched.sync_touched(model.desired(), t, &mut touched_maps).unwrap(),

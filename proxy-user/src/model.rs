@@ -143,37 +143,55 @@ pub fn group(snapshot: &Snapshot) -> Grouped<'_> {
     let mut errors = Vec::new();
     let mut slices: HashMap<ServiceKey, Vec<&Arc<EndpointSlice>>> = HashMap::new();
     for slice in &snapshot.slices {
-        let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
-        match slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL)) {
-            Some(svc) => slices.entry((ns, svc.as_str())).or_default().push(slice),
-            None => errors.push(ObjectError {
-                object: format!("endpointslice {ns}/{}", slice.metadata.name.as_deref().unwrap_or("?")),
-                reason: format!("no {SERVICE_NAME_LABEL} label; ignored"),
-            }),
+        match slice_owner(slice) {
+            Some(key) => slices.entry(key).or_default().push(slice),
+            None => errors.push(unlabelled_slice(slice)),
         }
     }
     let mut services = BTreeMap::new();
     for svc in &snapshot.services {
-        let key = (svc.metadata.namespace.as_deref().unwrap_or("default"), svc.metadata.name.as_deref().unwrap_or(""));
+        let key = service_key(svc);
         if services.insert(key, svc).is_some() {
-            errors.push(ObjectError {
-                object: format!("service {}/{}", key.0, key.1),
-                reason: "defined more than once; the last definition is used".into(),
-            });
+            errors.push(duplicate_service(key));
         }
     }
     let mut orphans: Vec<(&ServiceKey, &Vec<&Arc<EndpointSlice>>)> =
         slices.iter().filter(|(key, _)| !services.contains_key(*key)).collect();
     orphans.sort_by_key(|(key, _)| **key);
-    for ((ns, svc), list) in orphans {
-        for slice in list {
-            errors.push(ObjectError {
-                object: format!("endpointslice {ns}/{}", slice.metadata.name.as_deref().unwrap_or("?")),
-                reason: format!("no such service {ns}/{svc}; ignored until it exists"),
-            });
-        }
+    for (key, list) in orphans {
+        errors.extend(list.iter().map(|slice| orphan_slice(*key, slice)));
     }
     Grouped { services, slices, errors }
+}
+
+/// The key of the Service a slice belongs to, from its label.
+pub fn slice_owner(slice: &EndpointSlice) -> Option<ServiceKey<'_>> {
+    let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
+    slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL)).map(|svc| (ns, svc.as_str()))
+}
+
+pub fn service_key(svc: &Service) -> ServiceKey<'_> {
+    (svc.metadata.namespace.as_deref().unwrap_or("default"), svc.metadata.name.as_deref().unwrap_or(""))
+}
+
+fn slice_name(slice: &EndpointSlice) -> String {
+    let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
+    format!("endpointslice {ns}/{}", slice.metadata.name.as_deref().unwrap_or("?"))
+}
+
+pub fn unlabelled_slice(slice: &EndpointSlice) -> ObjectError {
+    ObjectError { object: slice_name(slice), reason: format!("no {SERVICE_NAME_LABEL} label; ignored") }
+}
+
+pub fn duplicate_service(key: ServiceKey) -> ObjectError {
+    ObjectError {
+        object: format!("service {}/{}", key.0, key.1),
+        reason: "defined more than once; the last definition is used".into(),
+    }
+}
+
+pub fn orphan_slice(key: ServiceKey, slice: &EndpointSlice) -> ObjectError {
+    ObjectError { object: slice_name(slice), reason: format!("no such service {}/{}; ignored until it exists", key.0, key.1) }
 }
 
 /// One Service's share of the desired state (its frontends, backend sets,
