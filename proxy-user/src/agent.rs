@@ -175,10 +175,14 @@ impl Syncer {
         self.metrics.skipped(&errors, &new);
         self.last_errors = errors;
         let desired = self.model.desired();
+        let full = !matches!(update, Update::Touched(_)) || self.maps_behind;
         let result = match update {
             Update::Touched(touched) if !self.maps_behind => reconciler.sync_touched(desired, &touched, maps),
             _ => reconciler.sync(desired, maps),
         };
+        if full {
+            release_freed_memory();
+        }
         self.maps_behind = result.is_err();
         match result {
             Ok(stats) => {
@@ -212,5 +216,16 @@ impl Syncer {
                 false
             }
         }
+    }
+}
+
+/// Hands the heap that reading and building everything freed back to the
+/// kernel: glibc keeps freed memory in its arenas (one per thread that
+/// parsed manifests), where it would count as the agent's RSS for good.
+fn release_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only returns unused pages of the allocator's arenas.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }

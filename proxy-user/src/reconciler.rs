@@ -4,7 +4,10 @@
 //! removals last. IDs come from what the maps already hold, so a restarted
 //! agent keeps every service and backend ID and no flow is disturbed.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::{
+    collections::{BTreeSet, HashMap, HashSet},
+    net::IpAddr,
+};
 
 use anyhow::{Context, Result};
 use ipnet::IpNet;
@@ -87,14 +90,14 @@ impl Reconciler {
 
     /// Makes the maps hold `desired`, looking at every entry.
     pub fn sync(&mut self, desired: &DesiredState, maps: &mut impl MapWriter) -> Result<SyncStats> {
-        let everything = Touched {
-            sets: desired.backend_sets.keys().cloned().collect(),
+        let everything = Keys {
+            sets: desired.backend_sets.keys().collect(),
             frontends: desired.frontends.keys().copied().collect(),
-            cluster_ips: desired.cluster_ips.clone(),
+            cluster_ips: desired.cluster_ips.iter().copied().collect(),
             backends: desired.backends.keys().copied().collect(),
         };
-        let mut stats = self.apply(desired, &everything, maps)?;
-        stats.deletes += self.remove_unwanted(desired, maps)?;
+        let (mut stats, set_ids) = self.apply(desired, &everything, maps)?;
+        stats.deletes += self.remove_unwanted(desired, &set_ids, maps)?;
         stats.frontends = self.held.frontends.len();
         stats.backends = self.held.backends.len();
         Ok(stats)
@@ -104,14 +107,26 @@ impl Reconciler {
     /// else must already be as `desired` says (the last sync succeeded, and
     /// `touched` holds every key that changed since).
     pub fn sync_touched(&mut self, desired: &DesiredState, touched: &Touched, maps: &mut impl MapWriter) -> Result<SyncStats> {
-        let mut stats = self.apply(desired, touched, maps)?;
+        let keys = Keys {
+            sets: touched.sets.iter().collect(),
+            frontends: touched.frontends.iter().copied().collect(),
+            cluster_ips: touched.cluster_ips.iter().copied().collect(),
+            backends: touched.backends.iter().copied().collect(),
+        };
+        let (mut stats, _) = self.apply(desired, &keys, maps)?;
         stats.frontends = self.held.frontends.len();
         stats.backends = self.held.backends.len();
         Ok(stats)
     }
 
     /// Writes and removes the entries of the `touched` keys.
-    fn apply(&mut self, desired: &DesiredState, touched: &Touched, maps: &mut impl MapWriter) -> Result<SyncStats> {
+    /// Also returns the IDs of the touched sets that are wanted.
+    fn apply<'k>(
+        &mut self,
+        desired: &DesiredState,
+        touched: &Keys<'k>,
+        maps: &mut impl MapWriter,
+    ) -> Result<(SyncStats, HashMap<&'k BackendSetKey, u32>)> {
         let mut stats = SyncStats::default();
 
         // 1. Backends, and names of new services.
@@ -134,8 +149,8 @@ impl Reconciler {
                 stats.writes += 1;
             }
         }
-        let mut set_ids: BTreeMap<&BackendSetKey, u32> = BTreeMap::new();
-        for set in touched.sets.iter().filter(|s| desired.backend_sets.contains_key(*s)) {
+        let mut set_ids: HashMap<&BackendSetKey, u32> = HashMap::new();
+        for &set in touched.sets.iter().filter(|s| desired.backend_sets.contains_key(**s)) {
             let name = set.service.to_string();
             let id = match self.service_ids.get(&(name.clone(), set.policy)) {
                 Some(id) => *id,
@@ -155,8 +170,8 @@ impl Reconciler {
         }
 
         // 2. Slots, then the frontends that expose them.
-        for (set, &service_id) in &set_ids {
-            for (slot, b) in desired.backend_sets[*set].iter().enumerate() {
+        for (&set, &service_id) in &set_ids {
+            for (slot, b) in desired.backend_sets[set].iter().enumerate() {
                 let key = SlotKey { service_id, slot: slot as u32 };
                 let backend_id = self.backend_ids[&(b.addr, b.port, b.proto)];
                 if self.held.slots.get(&key) != Some(&backend_id) {
@@ -170,8 +185,8 @@ impl Reconciler {
         }
         // Source ranges before the frontends that consult them.
         let mut want_ranges: HashSet<(u32, IpNet)> = HashSet::new();
-        for (set, &id) in &set_ids {
-            want_ranges.extend(desired.source_ranges.get(*set).into_iter().flatten().map(|n| (id, *n)));
+        for (&set, &id) in &set_ids {
+            want_ranges.extend(desired.source_ranges.get(set).into_iter().flatten().map(|n| (id, *n)));
         }
         for r in &want_ranges {
             if !self.held.source_ranges.contains(r) {
@@ -183,7 +198,7 @@ impl Reconciler {
         let mut stale_frontends = Vec::new();
         let markers = touched.cluster_ips.iter().map(|ip| cluster_ip_marker(Addr::from(*ip)));
         for key in touched.frontends.iter().copied().chain(markers) {
-            match self.frontend_entry(desired, &key) {
+            match self.frontend_entry(desired, &set_ids, &key) {
                 Some(want) => {
                     if self.held.frontends.get(&key) != Some(&want) {
                         maps.put_frontend(&key, &want)
@@ -204,11 +219,9 @@ impl Reconciler {
                 stats.deletes += 1;
             }
         }
-        let ids_of_touched: HashSet<u32> = touched
-            .sets
-            .iter()
-            .filter_map(|set| self.service_ids.get(&(set.service.to_string(), set.policy)).copied())
-            .collect();
+        let mut ids_of_touched: HashSet<u32> = set_ids.values().copied().collect();
+        let unwanted = touched.sets.iter().filter(|set| !set_ids.contains_key(**set));
+        ids_of_touched.extend(unwanted.filter_map(|set| self.service_ids.get(&(set.service.to_string(), set.policy)).copied()));
         let stale: Vec<(u32, IpNet)> = self
             .held
             .source_ranges
@@ -221,18 +234,19 @@ impl Reconciler {
             self.held.source_ranges.remove(&r);
             stats.deletes += 1;
         }
-        for set in &touched.sets {
+        for &set in &touched.sets {
+            if let Some(&id) = set_ids.get(set) {
+                stats.deletes += self.trim_slots(id, desired.backend_sets[set].len() as u32, maps)?;
+                continue;
+            }
             let name = set.service.to_string();
             let Some(&id) = self.service_ids.get(&(name.clone(), set.policy)) else { continue };
-            let keep = desired.backend_sets.get(set).map_or(0, |b| b.len() as u32);
-            stats.deletes += self.trim_slots(id, keep, maps)?;
-            if !desired.backend_sets.contains_key(set) {
-                maps.del_name(id)?;
-                self.held.names.remove(&id);
-                self.service_ids.remove(&(name, set.policy));
-                self.free_service_ids.release(id);
-                stats.deletes += 1;
-            }
+            stats.deletes += self.trim_slots(id, 0, maps)?;
+            maps.del_name(id)?;
+            self.held.names.remove(&id);
+            self.service_ids.remove(&(name, set.policy));
+            self.free_service_ids.release(id);
+            stats.deletes += 1;
         }
         for t in &touched.backends {
             if desired.backends.contains_key(t) {
@@ -245,25 +259,24 @@ impl Reconciler {
             self.free_backend_ids.release(id);
             stats.deletes += 1;
         }
-        Ok(stats)
+        Ok((stats, set_ids))
     }
 
     /// Removes every held entry `desired` does not name (including ones a
-    /// previous agent left that no touched key reaches).
-    fn remove_unwanted(&mut self, desired: &DesiredState, maps: &mut impl MapWriter) -> Result<usize> {
+    /// previous agent left that no touched key reaches); `set_ids` holds
+    /// the ID of every wanted set.
+    fn remove_unwanted(&mut self, desired: &DesiredState, set_ids: &HashMap<&BackendSetKey, u32>, maps: &mut impl MapWriter) -> Result<usize> {
         let mut deletes = 0;
-        let stale: Vec<FrontendKey> =
-            self.held.frontends.keys().filter(|k| self.frontend_entry(desired, k).is_none()).copied().collect();
+        let wanted = |k: &FrontendKey| {
+            desired.frontends.contains_key(k) || (*k == cluster_ip_marker(k.addr) && desired.cluster_ips.contains(&k.addr.to_ip()))
+        };
+        let stale: Vec<FrontendKey> = self.held.frontends.keys().filter(|k| !wanted(k)).copied().collect();
         for key in stale {
             maps.del_frontend(&key)?;
             self.held.frontends.remove(&key);
             deletes += 1;
         }
-        let live: HashMap<u32, &BackendSetKey> = desired
-            .backend_sets
-            .keys()
-            .filter_map(|set| Some((*self.service_ids.get(&(set.service.to_string(), set.policy))?, set)))
-            .collect();
+        let live: HashMap<u32, &BackendSetKey> = set_ids.iter().map(|(set, id)| (*id, *set)).collect();
         let stale: Vec<(u32, IpNet)> = self
             .held
             .source_ranges
@@ -324,10 +337,14 @@ impl Reconciler {
 
     /// The entry a frontend key should hold: a service frontend, or the
     /// marker of a ClusterIP (so its unserved ports are rejected).
-    fn frontend_entry(&self, desired: &DesiredState, key: &FrontendKey) -> Option<ServiceEntry> {
+    fn frontend_entry(&self, desired: &DesiredState, set_ids: &HashMap<&BackendSetKey, u32>, key: &FrontendKey) -> Option<ServiceEntry> {
         if let Some(fe) = desired.frontends.get(key) {
+            let service_id = match set_ids.get(&fe.set) {
+                Some(id) => *id,
+                None => *self.service_ids.get(&(fe.set.service.to_string(), fe.set.policy))?,
+            };
             return Some(ServiceEntry {
-                service_id: *self.service_ids.get(&(fe.set.service.to_string(), fe.set.policy))?,
+                service_id,
                 backend_count: desired.backend_sets.get(&fe.set).map_or(0, Vec::len) as u32,
                 kind: fe.kind,
                 flags: fe.flags,
@@ -338,6 +355,14 @@ impl Reconciler {
         (*key == cluster_ip_marker(key.addr) && desired.cluster_ips.contains(&key.addr.to_ip()))
             .then(|| ServiceEntry { kind: KIND_CLUSTER_IP, ..Default::default() })
     }
+}
+
+/// The keys a sync looks at.
+struct Keys<'k> {
+    sets: Vec<&'k BackendSetKey>,
+    frontends: Vec<FrontendKey>,
+    cluster_ips: Vec<IpAddr>,
+    backends: Vec<BackendTuple>,
 }
 
 /// Hands out the lowest IDs (from 1) not in use. Reusing a freed ID is safe:
