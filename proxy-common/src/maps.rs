@@ -18,6 +18,15 @@ pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
 pub const MAP_AFFINITY: &str = "AFFINITY";
 pub const MAP_SOCK_REVNAT: &str = "SOCK_REVNAT";
 
+/// Loader-set globals of the BPF object: the source ports masqueraded flows
+/// may take (host order, inclusive). The agent puts them outside the node's
+/// ephemeral port range, so a masqueraded flow and a node socket never share
+/// a port towards the same backend.
+pub const GLOBAL_SNAT_PORT_MIN: &str = "SNAT_PORT_MIN";
+pub const GLOBAL_SNAT_PORT_MAX: &str = "SNAT_PORT_MAX";
+/// Above Linux's default ephemeral range (32768-60999).
+pub const DEFAULT_SNAT_PORTS: (u16, u16) = (61000, 65535);
+
 pub const MAX_FRONTENDS: u32 = 1_048_576;
 pub const MAX_BACKEND_SLOTS: u32 = 1_048_576;
 pub const MAX_BACKENDS: u32 = 1_048_576;

@@ -35,7 +35,7 @@ mod program {
         programs::{SockAddrContext, TcContext},
     };
     use proxy_common::{
-        CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, MASQUERADE_MARK, REVERSE_NAT_MARK, SVC_DROP_IF_EMPTY,
+        CT_CLOSING, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, MASQUERADE_MARK, REVERSE_NAT_MARK, SVC_DROP_IF_EMPTY,
         SVC_MASQUERADE, SVC_SOURCE_RANGES,
     };
 
@@ -74,8 +74,10 @@ mod program {
         };
 
         // A known flow: one lookup finds its translation in either direction.
-        // A SYN opens a new connection even where an old one left its entry.
-        let known = conntrack::lookup_mut(&pkt.tuple).filter(|ct| !(ct.direction == CT_ORIGINAL && pkt.opens_connection()));
+        // A SYN after the old connection's FIN or RST opens a new one; any
+        // other SYN is a retransmission and must reach the same backend.
+        let reopens = |ct: &&mut proxy_common::CtEntry| ct.direction == CT_ORIGINAL && ct.flags & CT_CLOSING != 0 && pkt.opens_connection();
+        let known = conntrack::lookup_mut(&pkt.tuple).filter(|ct| !reopens(ct));
         if let Some(ct) = known {
             trace::record::<TRACE>(ct.service_id, ct.backend_id, trace::FROM_CONNTRACK);
             match ct.direction {

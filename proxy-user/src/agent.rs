@@ -24,6 +24,7 @@ use crate::{
     model::{ModelConfig, ObjectError},
     node_addrs::{self, NodeAddrs},
     reconciler::Reconciler,
+    snat_ports,
     source::{Configured, Snapshot, Source, kube::{self as kube_source, KubeSource}, manifests::ManifestsSource},
 };
 
@@ -43,12 +44,14 @@ pub async fn run(args: RunArgs) -> Result<()> {
         }
     };
 
-    let (mut ebpf, mut maps) = maps::load(&args.bpffs_root)?;
+    let snat_ports = snat_ports::for_this_node()?;
+    let (mut ebpf, mut maps) = maps::load_with_snat_ports(&args.bpffs_root, snat_ports.clone())?;
     let held = maps.read_contents().context("read pinned maps")?;
     info!(
         bpffs_root = %args.bpffs_root.display(),
         frontends = held.frontends.len(),
         backends = held.backends.len(),
+        masquerade_ports = ?snat_ports,
         "dataplane loaded (pinned maps adopted)"
     );
     let mut reconciler = Reconciler::adopt(held);
@@ -79,6 +82,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         node_port_addresses: args.node_port_addresses.clone(),
         detect_local: !args.cluster_cidr.is_empty(),
         masquerade_all: args.masquerade_all,
+        localhost_node_ports: args.localhost_nodeports,
         ..Default::default()
     };
     let mut syncer = Syncer {

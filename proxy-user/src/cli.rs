@@ -85,7 +85,7 @@ pub struct RunArgs {
     #[arg(long, default_value = "127.0.0.1:10249")]
     pub metrics_bind_address: SocketAddr,
     /// Pod CIDRs: sources inside are in-cluster; others reaching a ClusterIP
-    /// are masqueraded. Default: every source counts as in-cluster.
+    /// are masqueraded. Default: only the node's own processes are in-cluster.
     #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR]")]
     pub cluster_cidr: Vec<IpNet>,
     /// Service CIDRs: traffic to an address here that no Service owns is dropped.
@@ -101,4 +101,8 @@ pub struct RunArgs {
     /// Masquerade every flow to a ClusterIP, whatever its source.
     #[arg(long)]
     pub masquerade_all: bool,
+    /// NodePorts also on 127.0.0.1 for the node's own processes (kube-proxy's
+    /// --iptables-localhost-nodeports), if --node-port-addresses admits it.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub localhost_nodeports: bool,
 }

@@ -16,6 +16,7 @@ pub mod model;
 pub mod node_addrs;
 pub mod rbac;
 pub mod reconciler;
+pub mod snat_ports;
 pub mod source;
 pub mod topology;
 pub mod trace;

@@ -2,7 +2,10 @@
 //! loads the object (adopting maps already pinned under `--bpffs-root`);
 //! `dump` and `cleanup` open the pins directly, with the agent stopped or not.
 
-use std::path::{Path, PathBuf};
+use std::{
+    ops::RangeInclusive,
+    path::{Path, PathBuf},
+};
 
 use anyhow::{Context, Result};
 use aya::{
@@ -60,9 +63,17 @@ pub fn ensure_bpffs(root: &Path) -> Result<()> {
 /// Loads the programs; maps already pinned under `root` are reused, so a
 /// restart keeps services, backends and conntrack.
 pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
+    load_with_snat_ports(root, DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1)
+}
+
+/// As `load`, with the source ports masquerade may use (see snat_ports).
+pub fn load_with_snat_ports(root: &Path, snat_ports: RangeInclusive<u16>) -> Result<(Ebpf, Maps)> {
     ensure_bpffs(root)?;
+    let (min, max) = (u32::from(*snat_ports.start()), u32::from(*snat_ports.end()));
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(root)
+        .override_global(GLOBAL_SNAT_PORT_MIN, &min, true)
+        .override_global(GLOBAL_SNAT_PORT_MAX, &max, true)
         .load(BPF_OBJECT)
         .context("loading the BPF programs failed (is this process allowed to use BPF? CAP_BPF and CAP_NET_ADMIN are needed)")?;
     let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the BPF object"));
@@ -134,8 +145,9 @@ impl Maps {
     }
 
     /// Replaces the node-level settings: SNAT source per interface (ifindex
-    /// 0: the default), the cluster CIDRs (none given: every source is
-    /// in-cluster) and the service CIDRs.
+    /// 0: the default), the cluster CIDRs (none given: no packet's source is
+    /// in-cluster, as kube-proxy without a local-traffic detector) and the
+    /// service CIDRs.
     pub fn write_node_config(&mut self, snat: &std::collections::BTreeMap<u32, std::net::IpAddr>, cluster: &[IpNet], service: &[IpNet]) -> Result<()> {
         let stale: Vec<u32> = self.snat_addrs.keys().filter_map(|k| k.ok()).filter(|k| !snat.contains_key(k)).collect();
         for (ifindex, ip) in snat {
@@ -144,8 +156,7 @@ impl Maps {
         for k in stale {
             self.snat_addrs.remove(&k)?;
         }
-        let everything: [IpNet; 1] = ["::/0".parse().expect("valid")];
-        replace_cidrs(&mut self.cluster_cidrs, if cluster.is_empty() { &everything } else { cluster })?;
+        replace_cidrs(&mut self.cluster_cidrs, cluster)?;
         replace_cidrs(&mut self.service_cidrs, service)
     }
 

@@ -43,13 +43,25 @@ pub struct ModelConfig {
     /// masqueraded, as kube-proxy's local-traffic detector does.
     pub detect_local: bool,
     pub masquerade_all: bool,
+    /// NodePorts on 127.0.0.1 for the node's own processes, as kube-proxy's
+    /// `--iptables-localhost-nodeports` (only where `node_port_addresses`
+    /// admits 127.0.0.1).
+    pub localhost_node_ports: bool,
 }
 
 impl ModelConfig {
+    fn admits_node_port_on(&self, ip: &IpAddr) -> bool {
+        self.node_port_addresses.is_empty() || self.node_port_addresses.iter().any(|net| net.contains(ip))
+    }
+
     fn node_port_ips(&self) -> impl Iterator<Item = IpAddr> + '_ {
-        self.node_addresses.iter().copied().filter(|ip| {
-            self.node_port_addresses.is_empty() || self.node_port_addresses.iter().any(|net| net.contains(ip))
-        })
+        self.node_addresses.iter().copied().filter(|ip| self.admits_node_port_on(ip))
+    }
+
+    /// 127.0.0.1, when NodePorts are open there.
+    fn localhost_node_port_ip(&self) -> Option<IpAddr> {
+        let localhost = IpAddr::from([127, 0, 0, 1]);
+        (self.localhost_node_ports && self.admits_node_port_on(&localhost)).then_some(localhost)
     }
 }
 
@@ -290,7 +302,7 @@ fn build_service(svc: &Service, slices: &[&EndpointSlice], config: &ModelConfig,
         let ips: Vec<&String> = ingress.into_iter().flatten().filter_map(|i| i.ip.as_ref()).collect();
         ctx.ipv4s("status.loadBalancer.ingress", ips)
     };
-    let source_ranges = parse_source_ranges(spec, ctx);
+    let source_ranges = admit_lb_ips_if_node_admitted(parse_source_ranges(spec, ctx), &lb_ips, &config.node_addresses);
     let policy = TrafficPolicy::of(spec);
 
     for (i, port) in spec.ports.iter().flatten().enumerate() {
@@ -336,8 +348,9 @@ fn build_service(svc: &Service, slices: &[&EndpointSlice], config: &ModelConfig,
         // NodePort, ExternalIPs, LoadBalancer IPs: externalTrafficPolicy.
         // Cluster masquerades every source (the endpoint may be on another
         // node). Local keeps the client address and uses only this node's
-        // endpoints, except for pods, which short-circuit to the cluster set
-        // as if they had gone out to the load balancer and back.
+        // endpoints, except for pods and the node itself, which short-circuit
+        // to the internal set as if they had gone out to the load balancer
+        // and back.
         if externally_accessible {
             let mut frontends: Vec<(FrontendKey, u8, u8)> = Vec::new();
             let key = |addr: IpAddr, port: u16, scope| FrontendKey { addr: Addr::from(addr), port: port.to_be(), proto, scope };
@@ -345,6 +358,10 @@ fn build_service(svc: &Service, slices: &[&EndpointSlice], config: &ModelConfig,
                 for ip in config.node_port_ips() {
                     frontends.push((key(ip, node_port, SCOPE_INTERNAL), KIND_NODE_PORT, 0));
                     frontends.push((key(ip, node_port, SCOPE_EXTERNAL), KIND_NODE_PORT, 0));
+                }
+                // Only the node's processes can dial 127.0.0.1 (socket hooks).
+                if let Some(ip) = config.localhost_node_port_ip() {
+                    frontends.push((key(ip, node_port, SCOPE_INTERNAL), KIND_NODE_PORT, 0));
                 }
             }
             for ip in &external_ips {
@@ -359,7 +376,9 @@ fn build_service(svc: &Service, slices: &[&EndpointSlice], config: &ModelConfig,
             for (fk, kind, flags) in frontends {
                 if !policy.external_local {
                     add(state, fk, &cluster, kind, flags | SVC_MASQUERADE, endpoints.cluster.is_empty());
-                } else if fk.scope == SCOPE_INTERNAL && config.detect_local {
+                } else if fk.scope == SCOPE_INTERNAL {
+                    // Pods (per --cluster-cidr) and the node's own processes
+                    // (socket hooks), which kube-proxy short-circuits too.
                     let (set, empty) = if policy.internal_local { (&local, endpoints.local.is_empty()) } else { (&cluster, endpoints.cluster.is_empty()) };
                     add(state, fk, set, kind, flags, empty);
                 } else {
@@ -430,6 +449,16 @@ fn parse_source_ranges(spec: &ServiceSpec, ctx: &mut ServiceCtx) -> Vec<IpNet> {
         }
     }
     out
+}
+
+/// kube-proxy's rule for a node reaching its own load balancer: the cloud LB
+/// hands that connection back SNATted to the LB IP, so ranges that admit a
+/// node address admit the LB IPs as sources too.
+fn admit_lb_ips_if_node_admitted(mut ranges: Vec<IpNet>, lb_ips: &[IpAddr], node_addresses: &[IpAddr]) -> Vec<IpNet> {
+    if ranges.iter().any(|net| node_addresses.iter().any(|ip| net.contains(ip))) {
+        ranges.extend(lb_ips.iter().map(|ip| IpNet::from(*ip)));
+    }
+    ranges
 }
 
 /// kube-proxy's CategorizeEndpoints: the cluster set (ready and in this
@@ -742,6 +771,7 @@ endpoints:
             node_port_addresses: vec!["192.168.0.2/32".parse().unwrap()],
             detect_local: true,
             masquerade_all: false,
+            localhost_node_ports: false,
         }
     }
 
@@ -843,5 +873,16 @@ endpoints:
         }
         let nets: BTreeSet<String> = state.source_ranges.values().flatten().map(ToString::to_string).collect();
         assert_eq!(nets, BTreeSet::from(["203.0.113.0/25".to_string()]));
+    }
+
+    #[test]
+    fn source_ranges_admitting_the_node_admit_the_lb_ips_too() {
+        let ranges_of = |ranges: &str| {
+            let (state, _) = build(&Snapshot::from_yaml(&lb(&format!("loadBalancerSourceRanges: [{ranges}]"), true)), &node_cfg());
+            state.source_ranges.values().flatten().map(ToString::to_string).collect::<BTreeSet<String>>()
+        };
+        let with_node = ranges_of("192.168.0.0/24, 203.0.113.0/25");
+        assert_eq!(with_node, BTreeSet::from(["192.168.0.0/24", "203.0.113.0/25", "1.2.3.4/32"].map(String::from)));
+        assert_eq!(ranges_of("203.0.113.0/25"), BTreeSet::from(["203.0.113.0/25".to_string()]));
     }
 }

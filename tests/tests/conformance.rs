@@ -135,7 +135,7 @@ fn kube_proxy_packet_flow_tables() -> Result<()> {
     let known_failed = packets.iter().filter(|r| r.status == Status::Fail && known.ids.contains_key(&r.id)).count();
     say(&format!("conformance: {passed} passed, {failed} failed, {skipped} skipped (of {} cases)", packets.len()));
     say(&format!(
-        "conformance: skipped {skipped_v6} IPv6 and {} SCTP; {known_failed} failures are known (FAIL*, tests/conformance/known-failures.txt)",
+        "conformance: skipped {skipped_v6} IPv6 and {} other; {known_failed} failures are known (FAIL*, tests/conformance/known-failures.txt)",
         skipped - skipped_v6
     ));
     say(&format!("conformance: dump services lists every frontend kind with a scope in {dumps_ok} of {dumps_run} setup phases"));

@@ -136,6 +136,10 @@ fn expected_services() -> Vec<Value> {
     rows.push(row("demo/local:http", "NodePort", format!("{NODE_IP}:30081/TCP"), "external", "Local", false,
         vec![backend(HERE, 8080, &["ready", "serving", "local"])]));
     rows.push(row("demo/local:http", "NodePort", format!("{NODE_IP}:30081/TCP"), "internal", "Cluster", false, web(8080)));
+    // NodePorts on 127.0.0.1, for the node's own processes only (internal),
+    // which get every endpoint even with externalTrafficPolicy Local.
+    rows.push(row("demo/web:http", "NodePort", "127.0.0.1:30080/TCP".into(), "internal", "Cluster", true, web(8080)));
+    rows.push(row("demo/local:http", "NodePort", "127.0.0.1:30081/TCP".into(), "internal", "Cluster", false, web(8080)));
     rows
 }
 

@@ -85,6 +85,12 @@ fn translation_cases() -> Vec<Case> {
         )
         .then(conntrack_has_both_directions),
         Case::translated(
+            "TCP SYN retransmitted (no FIN/RST seen): the same flow, kept on the backend it chose",
+            tcp_syn(client, vip_http),
+            tcp_syn(client, backend_http),
+            Counter::Established,
+        ),
+        Case::translated(
             "TCP ACK+data, same flow: established, same backend, payload unchanged",
             tcp_data(client, vip_http, data),
             tcp_data(client, backend_http, data),
@@ -179,7 +185,8 @@ fn translation_cases() -> Vec<Case> {
 /// fills them for a cluster CIDR and a service CIDR: REJECT, DROP, source
 /// ranges, masquerade (the mark at ingress, the SNAT at egress, the reply).
 fn verdict_cases() -> Vec<Case> {
-    let ext = (EXTERNAL, 40000);
+    // Inside the SNAT port range (the default, 61000-65535): kept.
+    let ext = (EXTERNAL, 62000);
     vec![
         rejected("UDP -> 10.96.0.20:53, a ClusterIP on a port it does not serve", udp((CLIENT, 40000), (VIP_EMPTY, 53), b"q")),
         rejected("TCP SYN -> 10.96.0.10:81, a served ClusterIP on another port", tcp_syn((CLIENT, 40000), (VIP, 81))),
@@ -213,15 +220,15 @@ fn verdict_cases() -> Vec<Case> {
             "egress: the marked SYN leaves from the node address, client port kept; mark cleared",
             tcp_syn(ext, (BACKEND, 8080)),
             TC_ACT_OK,
-            Expect::Translated(tcp_syn((NODE_IP, 40000), (BACKEND, 8080))),
+            Expect::Translated(tcp_syn((NODE_IP, 62000), (BACKEND, 8080))),
             &[],
         )
         .at_egress(MASQUERADE_MARK)
         .leaves_mark(0)
         .then(masqueraded_reply_is_tracked),
         Case::new(
-            "reply 10.244.0.11:8080 -> 192.168.0.2:40000: at ingress, back to 203.0.113.2:40000",
-            tcp_data((BACKEND, 8080), (NODE_IP, 40000), b"ok"),
+            "reply 10.244.0.11:8080 -> 192.168.0.2:62000: at ingress, back to 203.0.113.2:62000",
+            tcp_data((BACKEND, 8080), (NODE_IP, 62000), b"ok"),
             TC_ACT_OK,
             Expect::Translated(tcp_data((BACKEND, 8080), ext, b"ok")),
             &[Counter::Reply],
@@ -239,7 +246,29 @@ fn verdict_cases() -> Vec<Case> {
             "egress: the same flow's next packet reuses its SNAT entry",
             tcp_data(ext, (BACKEND, 8080), b"more"),
             TC_ACT_OK,
-            Expect::Translated(tcp_data((NODE_IP, 40000), (BACKEND, 8080), b"more")),
+            Expect::Translated(tcp_data((NODE_IP, 62000), (BACKEND, 8080), b"more")),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK),
+        Case::new(
+            "TCP SYN 203.0.113.2:40000 -> 10.96.0.10:80: masqueraded too",
+            tcp_syn((EXTERNAL, 40000), (VIP, 80)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((EXTERNAL, 40000), (BACKEND, 8080))),
+            &[Counter::NewFlow, Counter::Masqueraded],
+        )
+        .leaves_mark(MASQUERADE_MARK),
+        Case::new(
+            "egress: a client port outside the SNAT range (an ephemeral one) is replaced by one inside it",
+            tcp_syn((EXTERNAL, 40000), (BACKEND, 8080)),
+            TC_ACT_OK,
+            Expect::TranslatedWith(|out| {
+                let port = u16::from_be_bytes([out[ETH_HLEN + 20], out[ETH_HLEN + 21]]);
+                if !(DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1).contains(&port) {
+                    return Err(format!("SNAT source port {port} outside {DEFAULT_SNAT_PORTS:?}"));
+                }
+                Ok(tcp_syn((NODE_IP, port), (BACKEND, 8080)))
+            }),
             &[],
         )
         .at_egress(MASQUERADE_MARK),
@@ -257,9 +286,9 @@ fn verdict_cases() -> Vec<Case> {
 }
 
 fn masqueraded_reply_is_tracked(maps: &Maps) -> Result<(), String> {
-    let key = ct_key((BACKEND, 8080), (NODE_IP, 40000), IPPROTO_TCP);
+    let key = ct_key((BACKEND, 8080), (NODE_IP, 62000), IPPROTO_TCP);
     let e = maps.conntrack.get(&key, 0).map_err(|e| format!("masqueraded reply entry {key:?}: {e}"))?;
-    let want = (CT_REPLY, CT_MASQUERADE, Addr::from_v4_octets(VIP), 80u16.to_be(), Addr::from_v4_octets(EXTERNAL), 40000u16.to_be());
+    let want = (CT_REPLY, CT_MASQUERADE, Addr::from_v4_octets(VIP), 80u16.to_be(), Addr::from_v4_octets(EXTERNAL), 62000u16.to_be());
     let got = (e.direction, e.flags, e.nat_addr, e.nat_port, e.rev_addr, e.rev_port);
     if got != want {
         return Err(format!("masqueraded reply {got:?}, want (direction, flags, frontend, port, client, port) {want:?}"));

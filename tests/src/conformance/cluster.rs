@@ -72,6 +72,8 @@ pub struct Plan {
     /// Destinations the upstream router owns, and the ports it answers on.
     pub upstream_ips: BTreeSet<Ipv4Addr>,
     pub upstream_ports: BTreeSet<u16>,
+    /// LB IPs the upstream router sends from to themselves, through the node.
+    pub lb_hairpin_ips: BTreeSet<Ipv4Addr>,
 }
 
 /// Where a case's client runs.
@@ -87,7 +89,7 @@ pub struct Cluster {
     _servers: Vec<EchoServer>,
     pods: BTreeMap<Ipv4Addr, Pod>,
     externals: BTreeMap<Ipv4Addr, Netns>,
-    _upstream: Netns,
+    upstream: Netns,
     pub test_node: Node,
     pub node2: Node,
     _lan: Netns,
@@ -138,6 +140,23 @@ impl Cluster {
         for ip in &plan.upstream_ips {
             upstream.ip(&["route", "add", "local", &format!("{ip}/32"), "dev", "lo"])?;
         }
+        if !plan.lb_hairpin_ips.is_empty() {
+            // Its own packets to these LB IPs go to the node (table 100 for
+            // locally sent packets, before the local table), and the node's
+            // answers from an LB IP to an LB IP are accepted.
+            upstream.ip(&["rule", "add", "pref", "1000", "lookup", "local"])?;
+            upstream.ip(&["rule", "del", "pref", "0"])?;
+            upstream.ip(&["rule", "add", "pref", "10", "iif", "lo", "lookup", "100"])?;
+            for ip in &plan.lb_hairpin_ips {
+                upstream.ip(&["route", "add", &format!("{ip}/32"), "via", &tn_ip, "dev", "eth0", "onlink", "table", "100"])?;
+            }
+            for key in ["net.ipv4.conf.all.accept_local", "net.ipv4.conf.eth0.accept_local"] {
+                upstream.sysctl(key, "1")?;
+            }
+            for key in ["net.ipv4.conf.all.rp_filter", "net.ipv4.conf.eth0.rp_filter"] {
+                upstream.sysctl(key, "0")?;
+            }
+        }
         test_node.ns.ip(&["neigh", "replace", &UPSTREAM_IP.to_string(), "lladdr", &up_mac, "dev", LAN_IF, "nud", "permanent"])?;
         test_node.ns.ip(&["route", "add", "default", "via", &UPSTREAM_IP.to_string(), "dev", LAN_IF])?;
 
@@ -187,7 +206,7 @@ impl Cluster {
             _servers: servers,
             pods,
             externals,
-            _upstream: upstream,
+            upstream,
             test_node,
             node2,
             _lan: lan,
@@ -248,12 +267,8 @@ impl Cluster {
         Ok(())
     }
 
-    /// The namespace a case's client runs in: `test-node` itself for a
-    /// process on the node, else the pod or LAN host holding `ip`.
-    pub fn client(&self, ip: IpAddr, on_node: bool) -> Client<'_> {
-        if on_node {
-            return Client::Ns(&self.test_node.ns);
-        }
+    /// The pod or LAN host holding `ip`.
+    pub fn client(&self, ip: IpAddr) -> Client<'_> {
         let IpAddr::V4(v4) = ip else { return Client::Missing };
         if let Some(pod) = self.pods.get(&v4) {
             return Client::Ns(&pod.ns);
@@ -262,6 +277,17 @@ impl Cluster {
             Some(ns) => Client::Ns(ns),
             None => Client::Missing,
         }
+    }
+
+    /// Every pod's namespace (endpoints and pod clients, both nodes).
+    pub fn pod_namespaces(&self) -> Vec<&Netns> {
+        self.pods.values().map(|p| &p.ns).collect()
+    }
+
+    /// The upstream router: it owns the LB IPs, and sends to an LB IP from
+    /// that same IP through the node (see `Plan::lb_hairpin_ips`).
+    pub fn lb_hairpin_client(&self) -> Client<'_> {
+        Client::Ns(&self.upstream)
     }
 
     /// The cgroup of test-node's processes, when the agent has socket hooks.

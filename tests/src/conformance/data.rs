@@ -63,8 +63,7 @@ pub struct Config {
     /// false: the test replaced the pod-CIDR local-traffic detector with a
     /// no-op one, which is `--cluster-cidr` left unset.
     pub local_detector: bool,
-    /// iptables' `--iptables-localhost-nodeports` (no ebpf-proxy equivalent;
-    /// kept so the data says everything the test set).
+    /// iptables' `--iptables-localhost-nodeports`: `--localhost-nodeports`.
     pub localhost_node_ports: Option<bool>,
 }
 

@@ -13,7 +13,11 @@ use std::{
 use socket2::{Domain, Protocol as SockProto, SockAddr, Socket, Type};
 
 use super::data::Protocol;
-use crate::{cgroup::Cgroup, netns::Netns};
+use crate::{
+    cgroup::Cgroup,
+    netns::Netns,
+    sctp::{self, Capture, chunk},
+};
 
 /// What a client sends: echo servers answer anything, and an HTTP server
 /// (the agent's healthCheckNodePort) answers this at once.
@@ -52,12 +56,11 @@ impl std::fmt::Display for Outcome {
 }
 
 /// Sends one request from `ns`, from `source` (any port), to `dest`.
-/// `freebind` lets the socket use a source the namespace does not hold.
-pub fn request(ns: &Netns, proto: Protocol, source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
+pub fn request(ns: &Netns, proto: Protocol, source: IpAddr, dest: SocketAddr) -> Outcome {
     let run = ns.run(move || match proto {
-        Protocol::TCP => tcp(source, freebind, dest),
-        Protocol::UDP => udp(source, freebind, dest),
-        Protocol::SCTP => Outcome::Error("SCTP is not probed with sockets here".into()),
+        Protocol::TCP => tcp(source, dest),
+        Protocol::UDP => udp(source, dest),
+        Protocol::SCTP => Outcome::Error("SCTP is probed with crafted packets: sctp_request".into()),
     });
     run.unwrap_or_else(|e| Outcome::Error(e.to_string()))
 }
@@ -65,8 +68,15 @@ pub fn request(ns: &Netns, proto: Protocol, source: IpAddr, freebind: bool, dest
 /// One request from a process on the node: `netprobe` run in the node's
 /// namespace and cgroup, so the agent's socket hooks see it. The socket
 /// must show `dest` as its peer, as it would with kube-proxy's DNAT.
+/// A loopback source is not bound: a process dialling 127.0.0.1 gets that
+/// source from the route, which, after the hook's translation, is the route
+/// to the backend (iptables instead rewrites 127.0.0.1 with route_localnet).
 pub fn request_from_node(netprobe: &Path, cgroup: &Cgroup, ns: &Netns, proto: Protocol, source: IpAddr, dest: SocketAddr) -> Outcome {
-    let out = match cgroup.command(ns, netprobe).args([proto.to_string(), dest.to_string(), source.to_string()]).output() {
+    let mut args = vec![proto.to_string(), dest.to_string()];
+    if !source.is_loopback() {
+        args.push(source.to_string());
+    }
+    let out = match cgroup.command(ns, netprobe).args(args).output() {
         Ok(out) => out,
         Err(e) => return Outcome::Error(format!("run netprobe: {e}")),
     };
@@ -87,11 +97,8 @@ pub fn request_from_node(netprobe: &Path, cgroup: &Cgroup, ns: &Netns, proto: Pr
     parse(reply)
 }
 
-fn socket(kind: Type, proto: SockProto, source: IpAddr, freebind: bool) -> std::io::Result<Socket> {
+fn socket(kind: Type, proto: SockProto, source: IpAddr) -> std::io::Result<Socket> {
     let s = Socket::new(Domain::for_address(SocketAddr::new(source, 0)), kind, Some(proto))?;
-    if freebind {
-        s.set_freebind_v4(true)?;
-    }
     s.bind(&SockAddr::from(SocketAddr::new(source, 0)))?;
     Ok(s)
 }
@@ -104,8 +111,8 @@ fn classify(e: &std::io::Error) -> Outcome {
     }
 }
 
-fn tcp(source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
-    let s = match socket(Type::STREAM, SockProto::TCP, source, freebind) {
+fn tcp(source: IpAddr, dest: SocketAddr) -> Outcome {
+    let s = match socket(Type::STREAM, SockProto::TCP, source) {
         Ok(s) => s,
         Err(e) => return Outcome::Error(format!("socket from {source}: {e}")),
     };
@@ -124,8 +131,8 @@ fn tcp(source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
     }
 }
 
-fn udp(source: IpAddr, freebind: bool, dest: SocketAddr) -> Outcome {
-    let s = match socket(Type::DGRAM, SockProto::UDP, source, freebind) {
+fn udp(source: IpAddr, dest: SocketAddr) -> Outcome {
+    let s = match socket(Type::DGRAM, SockProto::UDP, source) {
         Ok(s) => s,
         Err(e) => return Outcome::Error(format!("socket from {source}: {e}")),
     };
@@ -153,4 +160,34 @@ fn parse(text: &str) -> Outcome {
         (Some(server), Some(seen)) => Outcome::Answer { server: server.to_string(), seen_client: seen.to_string() },
         _ => Outcome::Error(format!("unexpected reply {text:?}")),
     }
+}
+
+/// An SCTP INIT to `dest` from `client`, crafted (this kernel has no SCTP
+/// module to answer it): the endpoint it reaches, captured on the eth0 of
+/// each pod in `endpoints`, stands for the one that answers. The INIT must
+/// arrive with a valid CRC32c; a REJECT or DROP shows as no arrival.
+pub fn sctp_request(client: &Netns, dest: SocketAddr, endpoints: &[&Netns]) -> Outcome {
+    let (IpAddr::V4(dst_ip), port) = (dest.ip(), dest.port()) else { return Outcome::Error("SCTP over IPv6".into()) };
+    let captures: Result<Vec<Capture>, _> = endpoints.iter().map(|ns| Capture::open(ns, "eth0")).collect();
+    let captures = match captures {
+        Ok(c) => c,
+        Err(e) => return Outcome::Error(format!("capture at the endpoints: {e:#}")),
+    };
+    let (sport, tag) = (40000 + rand::random::<u16>() % 20000, rand::random::<u32>() | 1);
+    if let Err(e) = sctp::send_raw(client, dst_ip, sctp::packet(sport, port, 0, &[chunk::init(tag)])) {
+        return Outcome::Error(format!("send INIT: {e:#}"));
+    }
+    let ours = |s: &sctp::Seen| s.chunks.first() == Some(&sctp::CHUNK_INIT) && s.sctp.get(16..20) == Some(&tag.to_be_bytes()[..]);
+    let deadline = std::time::Instant::now() + WAIT;
+    while std::time::Instant::now() < deadline {
+        for capture in &captures {
+            if let Ok(got) = capture.next(Duration::from_millis(10), ours) {
+                if !got.seen.crc_ok() {
+                    return Outcome::Error(format!("INIT reached {} with a bad CRC32c", got.seen.dst));
+                }
+                return Outcome::Answer { server: got.seen.dst.to_string(), seen_client: got.seen.src.to_string() };
+            }
+        }
+    }
+    Outcome::Silence
 }

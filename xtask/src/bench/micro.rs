@@ -81,8 +81,8 @@ fn measure(bpffs: &Bpffs, samples: usize, repeat: u32) -> Result<Results> {
     let (mut ebpf, mut maps) = maps::load(bpffs.path())?;
     let prog: &mut SchedClassifier = ebpf.program_mut(TC_INGRESS).context("tc program")?.try_into()?;
     prog.load().context("verifier rejected tc_ingress")?;
-    // As the agent does without --cluster-cidr: every source is in-cluster.
-    maps.write_node_config(&Default::default(), &[], &[])?;
+    // Every source in-cluster, so only internal frontends are needed.
+    maps.write_node_config(&Default::default(), &["0.0.0.0/0".parse()?], &[])?;
 
     let largest = *SCALES.last().unwrap();
     let set = ServiceSet::new(largest);

@@ -1,0 +1,80 @@
+//! The source ports masqueraded flows take. Processes on the node reach
+//! backends directly (socket hooks) from ephemeral ports the kernel picks
+//! without knowing our SNAT table; a masqueraded flow holding the same node
+//! address and port towards the same backend would take that socket's
+//! replies. So masquerade uses ports outside the node's ephemeral range.
+
+use std::ops::RangeInclusive;
+
+use anyhow::{Context, Result};
+use proxy_common::DEFAULT_SNAT_PORTS;
+use tracing::warn;
+
+const EPHEMERAL_SYSCTL: &str = "/proc/sys/net/ipv4/ip_local_port_range";
+/// Masquerade stays above the NodePort range (30000-32767 by default), so a
+/// reply's port never looks like a NodePort.
+const ABOVE_NODE_PORTS: u16 = 32768;
+/// Fewer free ports than this and collisions between masqueraded flows to
+/// one backend become likely: worth a warning.
+const FEW_PORTS: usize = 1024;
+
+/// The range for this node, from its ephemeral port range (sysctl).
+pub fn for_this_node() -> Result<RangeInclusive<u16>> {
+    let text = std::fs::read_to_string(EPHEMERAL_SYSCTL).with_context(|| format!("read {EPHEMERAL_SYSCTL}"))?;
+    let ephemeral = parse_port_range(&text).with_context(|| format!("{EPHEMERAL_SYSCTL}: {text:?} is not two ports"))?;
+    let range = outside(&ephemeral);
+    let overlaps = range.start() <= ephemeral.end() && ephemeral.start() <= range.end();
+    if overlaps || range.len() < FEW_PORTS {
+        warn!(
+            ephemeral = ?ephemeral,
+            masquerade_ports = ?range,
+            "the node's ephemeral port range leaves few or no ports for masquerade (a masqueraded flow may take a node socket's replies); narrow net.ipv4.ip_local_port_range"
+        );
+    }
+    Ok(range)
+}
+
+fn parse_port_range(text: &str) -> Option<RangeInclusive<u16>> {
+    let mut it = text.split_whitespace().map(|w| w.parse::<u16>().ok());
+    let (lo, hi) = (it.next()??, it.next()??);
+    (lo <= hi && it.next().is_none()).then_some(lo..=hi)
+}
+
+/// Above `ephemeral` if there is room, else between the NodePort range and
+/// `ephemeral`; if the ephemeral range leaves neither, the default (and a
+/// collision risk, warned about).
+fn outside(ephemeral: &RangeInclusive<u16>) -> RangeInclusive<u16> {
+    let above = ephemeral.end().checked_add(1).map(|lo| lo..=u16::MAX);
+    let below = ephemeral.start().checked_sub(1).map(|hi| ABOVE_NODE_PORTS..=hi);
+    [above, below].into_iter().flatten().find(|r| r.len() >= FEW_PORTS).unwrap_or(DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linux_default_leaves_the_ports_above() {
+        assert_eq!(outside(&parse_port_range("32768\t60999\n").unwrap()), 61000..=65535);
+    }
+
+    #[test]
+    fn above_unless_too_few_then_below() {
+        assert_eq!(outside(&(50000..=65000)), 32768..=49999);
+        assert_eq!(outside(&(2000..=40000)), 40001..=65535);
+    }
+
+    #[test]
+    fn no_room_falls_back_to_the_default() {
+        assert_eq!(outside(&(1024..=65535)), 61000..=65535);
+        assert_eq!(outside(&(1..=65535)), 61000..=65535);
+        assert_eq!(outside(&(33000..=65000)), 61000..=65535);
+    }
+
+    #[test]
+    fn malformed_sysctl_text_is_refused() {
+        for bad in ["", "32768", "60999 32768", "a b", "1 2 3", "70000 80000"] {
+            assert_eq!(parse_port_range(bad), None, "{bad:?}");
+        }
+    }
+}
