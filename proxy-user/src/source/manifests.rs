@@ -238,6 +238,8 @@ impl Source for ManifestsSource {
                     let mut next = Some(first);
                     while let Some(ev) = next {
                         match ev {
+                            // The kernel's event queue overflowed: events were lost.
+                            Ok(ev) if ev.need_rescan() => rescan = true,
                             Ok(ev) => match todo(&ev.kind, ev.paths, &state) {
                                 Todo::Nothing => {}
                                 Todo::Files(f) => files.extend(f),
