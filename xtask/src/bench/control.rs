@@ -146,6 +146,10 @@ fn one_scale(out: &mut Results, dir: &Path, scale: usize, changes: usize) -> Res
         })?;
         let to_healthy = started.elapsed();
         let pid = pid_of(&root)?;
+        // /healthz turns 200 as the sync ends, a moment before its log line.
+        let _ = proxy_tests::agent::wait_until("the first sync's log line", Duration::from_secs(5), || {
+            Ok(!agent_syncs(&agent.logs()).is_empty())
+        });
         let syncs = agent_syncs(&agent.logs());
         let (rss_mib, hwm_mib) = rss(pid)?;
         let row = SyncRow {
