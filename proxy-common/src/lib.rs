@@ -5,6 +5,7 @@
 
 pub mod addr;
 pub mod crc32c;
+pub mod csum;
 pub mod maps;
 
 pub use addr::Addr;

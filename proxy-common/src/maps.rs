@@ -17,6 +17,9 @@ pub const MAP_SERVICE_CIDRS: &str = "SERVICE_CIDRS";
 pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
 pub const MAP_AFFINITY: &str = "AFFINITY";
 pub const MAP_SOCK_REVNAT: &str = "SOCK_REVNAT";
+/// One u32 the agent increments after it removes a backend: see
+/// `CtEntry::backends_epoch`.
+pub const MAP_BACKENDS_EPOCH: &str = "BACKENDS_EPOCH";
 
 /// Loader-set globals of the BPF object: the source ports masqueraded flows
 /// may take (host order, inclusive). The agent puts them outside the node's
@@ -179,6 +182,11 @@ pub struct CtEntry {
     pub service_id: u32,
     /// The backend chosen; an ORIGINAL entry whose backend is gone is re-balanced.
     pub backend_id: u32,
+    /// The backends epoch (MAP_BACKENDS_EPOCH) when `backend_id` was last
+    /// seen to name `nat_addr:nat_port`. While the epoch is unchanged no
+    /// backend was removed since, so a packet need not look the backend up.
+    pub backends_epoch: u32,
+    pub _pad2: u32,
     /// bpf_ktime_get_ns() at creation and at the last packet.
     pub created_ns: u64,
     pub last_seen_ns: u64,
@@ -377,7 +385,7 @@ mod tests {
         assert_eq!(size_of::<SlotKey>(), 8);
         assert_eq!(size_of::<Backend>(), 20);
         assert_eq!(size_of::<CtKey>(), 40);
-        assert_eq!(size_of::<CtEntry>(), 64);
+        assert_eq!(size_of::<CtEntry>(), 72);
         assert_eq!(size_of::<SnatEntry>(), 24);
         assert_eq!(size_of::<CidrData>(), 16);
         assert_eq!(size_of::<SourceRangeData>(), 20);

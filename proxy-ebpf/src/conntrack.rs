@@ -1,12 +1,20 @@
 //! Conntrack: an LRU map with one entry per direction of each flow, plus a
 //! third for a masqueraded flow's reply (keyed by the SNAT address and port).
 
-use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_ns};
+use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_coarse_ns};
 use proxy_common::{
     Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, CtEntry, CtKey, ServiceEntry,
 };
 
 use crate::maps::{CONNTRACK, SNAT};
+
+/// CLOCK_MONOTONIC at the kernel tick's resolution (a few ms): conntrack's
+/// timeouts are seconds, and the fine clock (a TSC read) cost as much as a
+/// checksum update on every established packet. `dump` reads the same clock.
+#[inline(always)]
+fn now() -> u64 {
+    unsafe { bpf_ktime_get_coarse_ns() }
+}
 
 /// The entry of a live flow: an entry whose connection closed and then went
 /// quiet counts as gone (TCP flows have no other end in an LRU map).
@@ -24,13 +32,13 @@ pub fn lookup_mut(tuple: &CtKey) -> Option<&mut CtEntry> {
 
 #[inline(always)]
 fn is_live(e: &CtEntry) -> bool {
-    e.flags & CT_CLOSING == 0 || unsafe { bpf_ktime_get_ns() }.saturating_sub(e.last_seen_ns) < CT_CLOSING_TIMEOUT_NS
+    e.flags & CT_CLOSING == 0 || now().saturating_sub(e.last_seen_ns) < CT_CLOSING_TIMEOUT_NS
 }
 
 /// Another packet of the flow; `closing` when it carries a FIN or RST.
 #[inline(always)]
 pub fn touch(e: &mut CtEntry, closing: bool) {
-    e.last_seen_ns = unsafe { bpf_ktime_get_ns() };
+    e.last_seen_ns = now();
     if closing {
         e.flags |= CT_CLOSING;
     }
@@ -44,9 +52,17 @@ pub fn reply_key(tuple: &CtKey, backend: &Addr, backend_port: u16) -> CtKey {
 
 /// Records both directions: the original (client -> frontend, translated to
 /// the backend) and the reply (backend -> client, translated back).
+/// `epoch`: lb::backends_epoch() as read before the backend was chosen.
 #[inline(always)]
-pub fn create(tuple: &CtKey, service: &ServiceEntry, backend_id: u32, backend: &Backend, flags: u8) -> Result<(), i32> {
-    let now = unsafe { bpf_ktime_get_ns() };
+pub fn create(
+    tuple: &CtKey,
+    service: &ServiceEntry,
+    backend_id: u32,
+    backend: &Backend,
+    flags: u8,
+    epoch: u32,
+) -> Result<(), i32> {
+    let now = now();
     // One value on the stack, reused: the BPF stack is small.
     let mut entry = CtEntry {
         nat_addr: tuple.dst,
@@ -54,6 +70,7 @@ pub fn create(tuple: &CtKey, service: &ServiceEntry, backend_id: u32, backend: &
         direction: CT_REPLY,
         service_id: service.service_id,
         backend_id,
+        backends_epoch: epoch,
         created_ns: now,
         last_seen_ns: now,
         ..Default::default()
@@ -80,7 +97,7 @@ pub fn create(tuple: &CtKey, service: &ServiceEntry, backend_id: u32, backend: &
 /// `client` is where the replies really go.
 #[inline(always)]
 pub fn claim_snat_reply(snat_key: &CtKey, plain_reply: &CtEntry, client: &Addr, client_port: u16) -> Result<(), i32> {
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = now();
     let entry = CtEntry {
         rev_addr: *client,
         rev_port: client_port,

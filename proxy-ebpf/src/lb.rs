@@ -11,7 +11,9 @@ use proxy_common::{
     SCOPE_INTERNAL, ServiceEntry, SlotKey, SourceRangeData, cluster_ip_marker,
 };
 
-use crate::maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, CLUSTER_CIDRS, FRONTENDS, SERVICE_CIDRS, SOURCE_RANGES};
+use crate::maps::{
+    AFFINITY, BACKEND_SLOTS, BACKENDS, BACKENDS_EPOCH, CLUSTER_CIDRS, FRONTENDS, SERVICE_CIDRS, SOURCE_RANGES,
+};
 
 const FULL_PREFIX: u32 = 128;
 
@@ -91,12 +93,30 @@ fn remember(key: &AffinityKey, backend_id: u32, now: u64) {
     let _ = AFFINITY.insert(key, &AffinityEntry { backend_id, _pad: 0, last_seen_ns: now }, 0);
 }
 
-/// A conntrack entry is only as good as its backend: if the agent removed or
-/// reused the backend ID, the flow must be balanced again.
+/// The backends epoch: the agent bumps it after removing a backend, and an
+/// ID is reused only after its removal. Read it before looking a backend up,
+/// so a removal that races with the lookup leaves a stale epoch behind.
 #[inline(always)]
-pub fn backend_still_matches(ct: &CtEntry) -> bool {
-    match unsafe { BACKENDS.get(&ct.backend_id) } {
+pub fn backends_epoch() -> u32 {
+    BACKENDS_EPOCH.get(0).copied().unwrap_or(0)
+}
+
+/// A conntrack entry is only as good as its backend: if the agent removed or
+/// reused the backend ID, the flow must be balanced again. Checked by a
+/// lookup only when a backend was removed since the entry's last check
+/// (the epoch moved); `remember` records a passed check in the entry.
+#[inline(always)]
+pub fn backend_still_matches(ct: &mut CtEntry, remember: bool) -> bool {
+    let epoch = backends_epoch();
+    if ct.backends_epoch == epoch {
+        return true;
+    }
+    let matches = match unsafe { BACKENDS.get(&ct.backend_id) } {
         Some(b) => b.addr == ct.nat_addr && b.port == ct.nat_port,
         None => false,
+    };
+    if matches && remember {
+        ct.backends_epoch = epoch;
     }
+    matches
 }

@@ -80,7 +80,8 @@ mod program {
         let known = conntrack::lookup_mut(&pkt.tuple).filter(|ct| !reopens(ct));
         if let Some(ct) = known {
             trace::record::<TRACE>(ct.service_id, ct.backend_id, trace::FROM_CONNTRACK);
-            match ct.direction {
+            let direction = ct.direction;
+            match direction {
                 CT_REPLY => {
                     if !TRACE {
                         conntrack::touch(ct, pkt.closes_connection());
@@ -94,7 +95,7 @@ mod program {
                     set_mark(ctx, REVERSE_NAT_MARK);
                     return verdict::<TRACE>(done, Counter::Reply);
                 }
-                CT_ORIGINAL if lb::backend_still_matches(&*ct) => {
+                CT_ORIGINAL if lb::backend_still_matches(ct, !TRACE) => {
                     if !TRACE {
                         conntrack::touch(ct, pkt.closes_connection());
                     }
@@ -127,6 +128,7 @@ mod program {
             note::<TRACE>(Counter::DropSourceRange);
             return DROP;
         }
+        let epoch = lb::backends_epoch();
         let Some((backend_id, backend, sticky)) = lb::choose_backend(&service, &pkt.tuple.src, !TRACE) else {
             if service.flags & SVC_DROP_IF_EMPTY != 0 {
                 note::<TRACE>(Counter::DropNoLocal);
@@ -144,7 +146,7 @@ mod program {
         trace::record::<TRACE>(service.service_id, backend_id, scope as u32);
         if !TRACE {
             let ct_flags = if masquerade { CT_MASQUERADE } else { 0 };
-            if conntrack::create(&pkt.tuple, &service, backend_id, &backend, ct_flags).is_err() {
+            if conntrack::create(&pkt.tuple, &service, backend_id, &backend, ct_flags, epoch).is_err() {
                 count(Counter::CtFull);
             }
         }

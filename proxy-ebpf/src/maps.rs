@@ -19,6 +19,10 @@ pub static BACKEND_SLOTS: HashMap<SlotKey, u32> =
 #[map]
 pub static BACKENDS: HashMap<u32, Backend> = HashMap::pinned(MAX_BACKENDS, BPF_F_NO_PREALLOC);
 
+/// Bumped by the agent after each backend removal (see lb::backend_still_matches).
+#[map]
+pub static BACKENDS_EPOCH: Array<u32> = Array::pinned(1, 0);
+
 #[map]
 pub static CONNTRACK: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(MAX_CONNTRACK, 0);
 

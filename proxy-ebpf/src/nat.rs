@@ -1,13 +1,16 @@
-//! Address and port rewrites. The kernel's checksum helpers are used rather
-//! than hand-made updates: with checksum offload a locally sent packet holds
-//! only a partial L4 checksum (over the pseudo-header), and the helpers know
-//! which parts of it to fix.
+//! Address and port rewrites. The L4 checksum goes through the kernel's
+//! helper rather than a hand-made update: with checksum offload a locally
+//! sent packet holds only a partial L4 checksum (over the pseudo-header),
+//! and the helper knows which parts of it to fix. The IPv4 header checksum
+//! is always a full one, so the address, its header checksum and the port
+//! are written straight into the packet (direct packet access): two helper
+//! calls for a full rewrite instead of five.
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     programs::TcContext,
 };
-use proxy_common::{Addr, IPPROTO_SCTP, IPPROTO_UDP};
+use proxy_common::{Addr, IPPROTO_SCTP, IPPROTO_UDP, csum};
 
 use crate::{parse::Packet, sctp};
 
@@ -42,22 +45,45 @@ fn rewrite(
     // UDP over IPv4 may carry no checksum (0): MANGLED_0 keeps it that way.
     let l4_flags = if pkt.proto == IPPROTO_UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
     let is_sctp = pkt.proto == IPPROTO_SCTP;
-    let old_ip = u32::from_ne_bytes(old_addr.v4_octets());
-    let new_ip = u32::from_ne_bytes(new_addr.v4_octets());
-    if old_ip != new_ip {
-        // SCTP's CRC32c has no pseudo-header: an address change leaves it alone.
-        if !is_sctp {
-            ctx.l4_csum_replace(pkt.l4_csum_off, old_ip as u64, new_ip as u64, l4_flags | BPF_F_PSEUDO_HDR as u64 | 4)?;
-        }
-        ctx.l3_csum_replace(pkt.l3_off + IP_CSUM_OFF, old_ip as u64, new_ip as u64, 4)?;
-        ctx.store(pkt.l3_off + ip_field, &new_addr.v4_octets(), 0)?;
+    let (old_octets, new_octets) = (old_addr.v4_octets(), new_addr.v4_octets());
+    let addr_changes = old_octets != new_octets;
+    let port_changes = old_port != new_port;
+    // The direct writes come first: the helpers below may move the packet.
+    if addr_changes {
+        let field = read(ctx, pkt.l3_off + IP_CSUM_OFF)?;
+        write(ctx, pkt.l3_off + IP_CSUM_OFF, csum::replace4(field, old_octets, new_octets))?;
+        write(ctx, pkt.l3_off + ip_field, new_octets)?;
     }
-    if old_port != new_port {
+    if port_changes && !is_sctp {
+        write(ctx, pkt.l4_off + port_field, new_port)?;
+    }
+    // SCTP's CRC32c has no pseudo-header: an address change leaves it alone.
+    if addr_changes && !is_sctp {
+        let (old_ip, new_ip) = (u32::from_ne_bytes(old_octets), u32::from_ne_bytes(new_octets));
+        ctx.l4_csum_replace(pkt.l4_csum_off, old_ip as u64, new_ip as u64, l4_flags | BPF_F_PSEUDO_HDR as u64 | 4)?;
+    }
+    if port_changes {
         if is_sctp {
             return sctp::rewrite_port(ctx, pkt, port_field, old_port, new_port);
         }
         ctx.l4_csum_replace(pkt.l4_csum_off, old_port as u64, new_port as u64, l4_flags | 2)?;
-        ctx.store(pkt.l4_off + port_field, &new_port, 0)?;
     }
+    Ok(())
+}
+
+/// The `T` at `off`, or an error if the linear part does not hold it
+/// (`parse` pulled the headers in, so it does).
+#[inline(always)]
+fn read<T: Copy>(ctx: &TcContext, off: usize) -> Result<T, i64> {
+    crate::parse::read(ctx, off).ok_or(-1)
+}
+
+#[inline(always)]
+fn write<T: Copy>(ctx: &TcContext, off: usize, value: T) -> Result<(), i64> {
+    let start = ctx.data();
+    if start + off + core::mem::size_of::<T>() > ctx.data_end() {
+        return Err(-1);
+    }
+    unsafe { core::ptr::write_unaligned((start + off) as *mut T, value) };
     Ok(())
 }

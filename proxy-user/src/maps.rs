@@ -10,7 +10,7 @@ use std::{
 use anyhow::{Context, Result};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key},
+    maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key},
 };
 use ipnet::IpNet;
 use proxy_common::*;
@@ -29,15 +29,19 @@ pub const TC_TRACE: &str = "tc_trace";
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 /// Every map the agent pins, by name.
-pub const PINNED_MAPS: [&str; 13] = [
+pub const PINNED_MAPS: [&str; 14] = [
     MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS, MAP_SNAT,
     MAP_SNAT_ADDRS, MAP_CLUSTER_CIDRS, MAP_SERVICE_CIDRS, MAP_SOURCE_RANGES, MAP_AFFINITY, MAP_SOCK_REVNAT,
+    MAP_BACKENDS_EPOCH,
 ];
 
 pub struct Maps {
     pub frontends: HashMap<MapData, FrontendKey, ServiceEntry>,
     pub slots: HashMap<MapData, SlotKey, u32>,
     pub backends: HashMap<MapData, u32, Backend>,
+    /// Bumped after each backend removal: conntrack entries made before it
+    /// check their backend again (see `del_backend`).
+    pub backends_epoch: Array<MapData, u32>,
     pub conntrack: HashMap<MapData, CtKey, CtEntry>,
     pub names: HashMap<MapData, u32, ServiceName>,
     pub counters: PerCpuArray<MapData, u64>,
@@ -60,6 +64,21 @@ pub fn ensure_bpffs(root: &Path) -> Result<()> {
     std::fs::create_dir_all(root).with_context(|| format!("--bpffs-root {}: cannot create", root.display()))
 }
 
+/// What went wrong in terms an operator can act on: pinned maps from a build
+/// with another layout (an upgrade across a layout change), or permissions.
+fn load_error(e: aya::EbpfError, root: &Path) -> anyhow::Error {
+    if let aya::EbpfError::MapError(aya::maps::MapError::IncompatiblePinnedMap { name, property, expected, actual }) = &e {
+        return anyhow::anyhow!(
+            "the maps pinned under {root} come from an ebpf-proxy build with another map layout ({name}: {property} \
+             {actual}, this build needs {expected}). Run the version that pinned them, or remove them with \
+             `ebpf-proxy cleanup --bpffs-root {root}` and start this one (tracked connections are forgotten)",
+            root = root.display()
+        );
+    }
+    anyhow::Error::new(e)
+        .context("loading the BPF programs failed (is this process allowed to use BPF? CAP_BPF and CAP_NET_ADMIN are needed)")
+}
+
 /// Loads the programs; maps already pinned under `root` are reused, so a
 /// restart keeps services, backends and conntrack.
 pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
@@ -75,12 +94,13 @@ pub fn load_with_snat_ports(root: &Path, snat_ports: RangeInclusive<u16>) -> Res
         .override_global(GLOBAL_SNAT_PORT_MIN, &min, true)
         .override_global(GLOBAL_SNAT_PORT_MAX, &max, true)
         .load(BPF_OBJECT)
-        .context("loading the BPF programs failed (is this process allowed to use BPF? CAP_BPF and CAP_NET_ADMIN are needed)")?;
+        .map_err(|e| load_error(e, root))?;
     let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the BPF object"));
-    let maps = Maps {
+    let mut maps = Maps {
         frontends: take(MAP_FRONTENDS)?.try_into()?,
         slots: take(MAP_BACKEND_SLOTS)?.try_into()?,
         backends: take(MAP_BACKENDS)?.try_into()?,
+        backends_epoch: take(MAP_BACKENDS_EPOCH)?.try_into()?,
         conntrack: take(MAP_CONNTRACK)?.try_into()?,
         names: take(MAP_SERVICE_NAMES)?.try_into()?,
         counters: take(MAP_COUNTERS)?.try_into()?,
@@ -89,6 +109,9 @@ pub fn load_with_snat_ports(root: &Path, snat_ports: RangeInclusive<u16>) -> Res
         service_cidrs: take(MAP_SERVICE_CIDRS)?.try_into()?,
         source_ranges: take(MAP_SOURCE_RANGES)?.try_into()?,
     };
+    // An agent stopped between a removal and its bump leaves flows that
+    // would skip their check: every flow checks its backend once more.
+    maps.bump_backends_epoch()?;
     Ok((ebpf, maps))
 }
 
@@ -107,6 +130,7 @@ impl Maps {
             frontends: open_pin(root, MAP_FRONTENDS)?.try_into()?,
             slots: open_pin(root, MAP_BACKEND_SLOTS)?.try_into()?,
             backends: open_pin(root, MAP_BACKENDS)?.try_into()?,
+            backends_epoch: open_pin(root, MAP_BACKENDS_EPOCH)?.try_into()?,
             conntrack: open_pin(root, MAP_CONNTRACK)?.try_into()?,
             names: open_pin(root, MAP_SERVICE_NAMES)?.try_into()?,
             counters: open_pin(root, MAP_COUNTERS)?.try_into()?,
@@ -160,6 +184,13 @@ impl Maps {
         replace_cidrs(&mut self.service_cidrs, service)
     }
 
+    /// The next backends epoch (wrapping): see `del_backend`.
+    pub fn bump_backends_epoch(&mut self) -> Result<()> {
+        let epoch = self.backends_epoch.get(&0, 0).context("reading the backends epoch")?;
+        self.backends_epoch.set(0, &epoch.wrapping_add(1), 0).context("bumping the backends epoch")?;
+        Ok(())
+    }
+
     /// Per-CPU counters summed, indexed like `COUNTER_NAMES`.
     pub fn read_counters(&self) -> Result<Vec<u64>> {
         (0..MAX_COUNTERS).map(|i| Ok(self.counters.get(&i, 0)?.iter().sum())).collect()
@@ -170,8 +201,14 @@ impl MapWriter for Maps {
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<()> {
         Ok(self.backends.insert(&id, backend, 0)?)
     }
+    /// Removes the backend, then bumps the backends epoch: the datapath
+    /// skips checking an established flow's backend while the epoch is the
+    /// one its conntrack entry recorded, so the bump (after the removal) is
+    /// what makes each flow of this backend move to a live one on its next
+    /// packet. The reconciler reuses an ID only after removing it.
     fn del_backend(&mut self, id: u32) -> Result<()> {
-        Ok(self.backends.remove(&id)?)
+        self.backends.remove(&id)?;
+        self.bump_backends_epoch()
     }
     fn put_slot(&mut self, key: &SlotKey, backend_id: u32) -> Result<()> {
         Ok(self.slots.insert(key, &backend_id, 0)?)

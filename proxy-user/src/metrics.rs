@@ -248,7 +248,7 @@ fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64
 type EntryCounter = fn(&Path, &str) -> Result<u64>;
 
 /// How to count the entries of each pinned map: by its key and value types.
-const ENTRY_COUNTERS: [(&str, EntryCounter); 13] = {
+const ENTRY_COUNTERS: [(&str, EntryCounter); 14] = {
     use proxy_common::*;
     [
         (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>),
@@ -265,6 +265,7 @@ const ENTRY_COUNTERS: [(&str, EntryCounter); 13] = {
         (MAP_SOURCE_RANGES, trie_entries::<SourceRangeData, u8>),
         // An array: every slot exists.
         (MAP_COUNTERS, |_, _| Ok(u64::from(MAX_COUNTERS))),
+        (MAP_BACKENDS_EPOCH, |_, _| Ok(1)),
     ]
 };
 

@@ -51,10 +51,14 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
     ensure!(proxy_tests::is_root(), "benchmarks need root (BPF, network namespaces)");
     let started = std::time::Instant::now();
     let wants = |f: Family| opts.only.is_empty() || opts.only.contains(&f);
-    let bin = crate::cargo::build_agent(true)?;
-    // The tests' helpers start the agent named by this variable; set before
-    // any thread exists.
-    unsafe { std::env::set_var("EBPF_PROXY_BIN", &bin) };
+    // The micro-benchmark runs the BPF object xtask embeds; only the other
+    // families start the agent, so only they need its release build.
+    if wants(Family::Traffic) || wants(Family::Control) {
+        let bin = crate::cargo::build_agent(true)?;
+        // The tests' helpers start the agent named by this variable; set
+        // before any thread exists.
+        unsafe { std::env::set_var("EBPF_PROXY_BIN", &bin) };
+    }
     let work = tempfile_dir()?;
 
     let mut m = Measured { command: command_line(opts), ..Measured::default() };
