@@ -19,8 +19,9 @@ use crate::{
     health::{self, Health},
     healthcheck::{self, HealthCheckServers},
     maps::{self, Maps},
+    incremental::{self, Update},
     metrics::{self, Metrics, TriggerTimes},
-    model::{self, ModelConfig, ObjectError},
+    model::{ModelConfig, ObjectError},
     node_addrs::{self, NodeAddrs},
     reconciler::Reconciler,
     snat_ports,
@@ -86,6 +87,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
     let mut syncer = Syncer {
         config,
+        model: incremental::Model::default(),
+        maps_behind: true,
         last_errors: Vec::new(),
         health,
         metrics,
@@ -152,6 +155,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
 struct Syncer {
     config: ModelConfig,
+    model: incremental::Model,
+    /// The maps may differ from the model by more than the next update's
+    /// touched keys (first sync, or the last one failed): sync everything.
+    maps_behind: bool,
     last_errors: Vec<ObjectError>,
     health: Health,
     metrics: Metrics,
@@ -162,7 +169,8 @@ impl Syncer {
     /// One pass; false when it must be retried.
     fn sync(&mut self, snap: &Snapshot, reconciler: &mut Reconciler, maps: &mut Maps) -> bool {
         let start = std::time::Instant::now();
-        let (desired, errors) = model::build(snap, &self.config);
+        let update = self.model.update(snap, &self.config);
+        let errors = self.model.errors();
         // Each bad object is reported when it appears, not on every sync.
         let new: Vec<&ObjectError> = errors.iter().filter(|e| !self.last_errors.contains(e)).collect();
         for e in &new {
@@ -170,7 +178,17 @@ impl Syncer {
         }
         self.metrics.skipped(&errors, &new);
         self.last_errors = errors;
-        match reconciler.sync(&desired, maps) {
+        let desired = self.model.desired();
+        let full = !matches!(update, Update::Touched(_)) || self.maps_behind;
+        let result = match update {
+            Update::Touched(touched) if !self.maps_behind => reconciler.sync_touched(desired, &touched, maps),
+            _ => reconciler.sync(desired, maps),
+        };
+        if full {
+            release_freed_memory();
+        }
+        self.maps_behind = result.is_err();
+        match result {
             Ok(stats) => {
                 self.health.sync_succeeded();
                 let now = chrono::Utc::now();
@@ -202,5 +220,16 @@ impl Syncer {
                 false
             }
         }
+    }
+}
+
+/// Hands the heap that reading and building everything freed back to the
+/// kernel: glibc keeps freed memory in its arenas (one per thread that
+/// parsed manifests), where it would count as the agent's RSS for good.
+fn release_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only returns unused pages of the allocator's arenas.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }

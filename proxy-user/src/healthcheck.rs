@@ -41,7 +41,9 @@ pub struct Check {
 pub fn wanted(snap: &Snapshot, config: &ModelConfig) -> BTreeMap<u16, Check> {
     let mut out = BTreeMap::new();
     let mut services: Vec<_> = snap.services.iter().collect();
-    services.sort_by_key(|s| (s.metadata.namespace.clone(), s.metadata.name.clone()));
+    services.sort_by(|a, b| {
+        (a.metadata.namespace.as_deref(), a.metadata.name.as_deref()).cmp(&(b.metadata.namespace.as_deref(), b.metadata.name.as_deref()))
+    });
     for svc in services {
         let Some(spec) = &svc.spec else { continue };
         if spec.external_traffic_policy.as_deref() != Some("Local") {

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod dump;
 pub mod health;
 pub mod healthcheck;
+pub mod incremental;
 pub mod manifest;
 pub mod maps;
 pub mod metrics;

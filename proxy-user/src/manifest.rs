@@ -1,7 +1,7 @@
 //! Kubernetes objects from YAML or JSON text: every document of a file,
 //! typed, with errors that name the file, the line and the field.
 
-use std::{fmt, path::Path};
+use std::{fmt, path::Path, sync::Arc};
 
 use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
 use serde::Deserialize;
@@ -10,8 +10,8 @@ use serde::Deserialize;
 /// directory may well hold Deployments next to Services).
 #[derive(Debug, Clone)]
 pub enum Object {
-    Service(Box<Service>),
-    EndpointSlice(Box<EndpointSlice>),
+    Service(Arc<Service>),
+    EndpointSlice(Arc<EndpointSlice>),
     Node(Box<Node>),
 }
 
@@ -52,6 +52,44 @@ enum Kind {
 /// Parses all documents of one file. One bad document fails the whole file,
 /// so a half-read file never replaces the last good version of it.
 pub fn parse(path: &Path, text: &str) -> Result<Vec<Object>, ManifestError> {
+    // The fast path reads the text once and has no field tracking; any error
+    // sends the file through `parse_reporting`, which finds its line and field.
+    parse_fast(text).ok_or(()).or_else(|()| parse_reporting(path, text))
+}
+
+/// Every document as a YAML value, then typed from the value: one pass over
+/// the text. `None` on any error.
+fn parse_fast(text: &str) -> Option<Vec<Object>> {
+    let mut objects = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(text) {
+        let value = serde_yaml::Value::deserialize(doc).ok()?;
+        if value.is_null() {
+            continue; // comment-only document
+        }
+        let field = |name: &str| value.get(name).and_then(serde_yaml::Value::as_str);
+        match kind_of(field("apiVersion"), field("kind")).ok()? {
+            Kind::Service => objects.push(Object::Service(Arc::new(serde_yaml::from_value(value).ok()?))),
+            Kind::EndpointSlice => objects.push(Object::EndpointSlice(Arc::new(serde_yaml::from_value(value).ok()?))),
+            Kind::Node => objects.push(Object::Node(Box::new(serde_yaml::from_value(value).ok()?))),
+            Kind::Other => {}
+        }
+    }
+    Some(objects)
+}
+
+fn kind_of(api_version: Option<&str>, kind: Option<&str>) -> Result<Kind, String> {
+    Ok(match (api_version, kind) {
+        (Some("v1"), Some("Service")) => Kind::Service,
+        (Some("discovery.k8s.io/v1"), Some("EndpointSlice")) => Kind::EndpointSlice,
+        (Some("v1"), Some("Node")) => Kind::Node,
+        (_, None) => return Err("a document has no `kind`".into()),
+        _ => Kind::Other,
+    })
+}
+
+/// Two passes (kinds, then typed objects through serde_path_to_error), so an
+/// error carries the field path and line.
+fn parse_reporting(path: &Path, text: &str) -> Result<Vec<Object>, ManifestError> {
     let err = |line: usize, reason: String| ManifestError { path: path.display().to_string(), line, reason };
     let line_of = |e: &serde_yaml::Error| e.location().map(|l| l.line()).unwrap_or(0);
 
@@ -61,13 +99,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<Object>, ManifestError> {
         let meta = Option::<TypeMeta>::deserialize(doc).map_err(|e| err(line_of(&e), e.to_string()))?;
         let kind = match meta {
             None => Kind::Other,
-            Some(TypeMeta { api_version, kind }) => match (api_version.as_deref(), kind.as_deref()) {
-                (Some("v1"), Some("Service")) => Kind::Service,
-                (Some("discovery.k8s.io/v1"), Some("EndpointSlice")) => Kind::EndpointSlice,
-                (Some("v1"), Some("Node")) => Kind::Node,
-                (_, None) => return Err(err(0, "a document has no `kind`".into())),
-                _ => Kind::Other,
-            },
+            Some(TypeMeta { api_version, kind }) => kind_of(api_version.as_deref(), kind.as_deref()).map_err(|e| err(0, e))?,
         };
         kinds.push(kind);
     }
@@ -81,9 +113,9 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<Object>, ManifestError> {
             err(line_of(&inner), format!("{field}: {inner}"))
         };
         match kind {
-            Kind::Service => objects.push(Object::Service(Box::new(serde_path_to_error::deserialize(doc).map_err(typed)?))),
+            Kind::Service => objects.push(Object::Service(Arc::new(serde_path_to_error::deserialize(doc).map_err(typed)?))),
             Kind::EndpointSlice => {
-                objects.push(Object::EndpointSlice(Box::new(serde_path_to_error::deserialize(doc).map_err(typed)?)))
+                objects.push(Object::EndpointSlice(Arc::new(serde_path_to_error::deserialize(doc).map_err(typed)?)))
             }
             Kind::Node => objects.push(Object::Node(Box::new(serde_path_to_error::deserialize(doc).map_err(typed)?))),
             Kind::Other => {}
@@ -146,6 +178,15 @@ ports: [{name: http, port: 8080, protocol: TCP}]
         let e = parse(Path::new("bad.yaml"), bad).unwrap_err();
         assert!(e.reason.starts_with("spec.ports[0].port"), "{e}");
         assert_eq!(e.line, 7, "{e}");
+    }
+
+    #[test]
+    fn both_paths_read_the_same_objects() {
+        let fast = parse_fast(GOOD).unwrap();
+        let reporting = parse_reporting(Path::new("good.yaml"), GOOD).unwrap();
+        assert_eq!(format!("{fast:?}"), format!("{reporting:?}"));
+        // A type error is no object on the fast path; the caller then reports it.
+        assert!(parse_fast("apiVersion: v1\nkind: Service\nspec: {ports: [{port: x}]}\n").is_none());
     }
 
     #[test]

@@ -3,9 +3,10 @@
 //! executes what is decided here, so this is where behaviour is tested.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashMap},
     fmt,
     net::IpAddr,
+    sync::Arc,
 };
 
 use ipnet::IpNet;
@@ -31,7 +32,7 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// kube-proxy's default for sessionAffinityConfig.clientIP.timeoutSeconds.
 const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ModelConfig {
     pub node_name: String,
     /// The node's addresses; NodePorts open on those inside
@@ -123,7 +124,13 @@ pub struct DesiredState {
     pub cluster_ips: BTreeSet<IpAddr>,
     /// loadBalancerSourceRanges, by the backend set their frontends use.
     pub source_ranges: BTreeMap<BackendSetKey, Vec<IpNet>>,
+    /// Every distinct backend in `backend_sets`, with the union of its flags
+    /// across the sets it is in (`backend_states`).
+    pub backends: BTreeMap<BackendTuple, u8>,
 }
+
+/// A backend's identity: address, port, IP protocol.
+pub type BackendTuple = (IpAddr, u16, u8);
 
 /// Something in an object that was skipped, with the object it came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,44 +145,111 @@ impl fmt::Display for ObjectError {
     }
 }
 
-pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<ObjectError>) {
+/// A Service's `(namespace, name)`, borrowed from the snapshot.
+pub type ServiceKey<'a> = (&'a str, &'a str);
+
+/// A snapshot's objects by Service: the one Service object of each
+/// `namespace/name` (the last, if the snapshot holds several), the
+/// EndpointSlices labelled for it, and what could not be tied to a Service.
+pub struct Grouped<'a> {
+    pub services: BTreeMap<ServiceKey<'a>, &'a Arc<Service>>,
+    pub slices: HashMap<ServiceKey<'a>, Vec<&'a Arc<EndpointSlice>>>,
+    pub errors: Vec<ObjectError>,
+}
+
+pub fn group(snapshot: &Snapshot) -> Grouped<'_> {
+    let mut errors = Vec::new();
+    let mut slices: HashMap<ServiceKey, Vec<&Arc<EndpointSlice>>> = HashMap::new();
+    for slice in &snapshot.slices {
+        match slice_owner(slice) {
+            Some(key) => slices.entry(key).or_default().push(slice),
+            None => errors.push(unlabelled_slice(slice)),
+        }
+    }
+    let mut services = BTreeMap::new();
+    for svc in &snapshot.services {
+        let key = service_key(svc);
+        if services.insert(key, svc).is_some() {
+            errors.push(duplicate_service(key));
+        }
+    }
+    let mut orphans: Vec<(&ServiceKey, &Vec<&Arc<EndpointSlice>>)> =
+        slices.iter().filter(|(key, _)| !services.contains_key(*key)).collect();
+    orphans.sort_by_key(|(key, _)| **key);
+    for (key, list) in orphans {
+        errors.extend(list.iter().map(|slice| orphan_slice(*key, slice)));
+    }
+    Grouped { services, slices, errors }
+}
+
+/// The key of the Service a slice belongs to, from its label.
+pub fn slice_owner(slice: &EndpointSlice) -> Option<ServiceKey<'_>> {
+    let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
+    slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL)).map(|svc| (ns, svc.as_str()))
+}
+
+pub fn service_key(svc: &Service) -> ServiceKey<'_> {
+    (svc.metadata.namespace.as_deref().unwrap_or("default"), svc.metadata.name.as_deref().unwrap_or(""))
+}
+
+fn slice_name(slice: &EndpointSlice) -> String {
+    let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
+    format!("endpointslice {ns}/{}", slice.metadata.name.as_deref().unwrap_or("?"))
+}
+
+pub fn unlabelled_slice(slice: &EndpointSlice) -> ObjectError {
+    ObjectError { object: slice_name(slice), reason: format!("no {SERVICE_NAME_LABEL} label; ignored") }
+}
+
+pub fn duplicate_service(key: ServiceKey) -> ObjectError {
+    ObjectError {
+        object: format!("service {}/{}", key.0, key.1),
+        reason: "defined more than once; the last definition is used".into(),
+    }
+}
+
+pub fn orphan_slice(key: ServiceKey, slice: &EndpointSlice) -> ObjectError {
+    ObjectError { object: slice_name(slice), reason: format!("no such service {}/{}; ignored until it exists", key.0, key.1) }
+}
+
+/// One Service's share of the desired state (its frontends, backend sets,
+/// ClusterIPs and source ranges; `backends` left empty) and what in it was skipped.
+pub fn build_part(
+    key: ServiceKey,
+    svc: &Service,
+    slices: &[&Arc<EndpointSlice>],
+    config: &ModelConfig,
+    zone: &str,
+) -> (DesiredState, Vec<ObjectError>) {
     let mut state = DesiredState::default();
     let mut errors = Vec::new();
+    let slices: Vec<&EndpointSlice> = slices.iter().map(|s| &***s).collect();
+    let mut ctx = ServiceCtx { ns: key.0.to_string(), name: key.1.to_string(), zone, errors: &mut errors };
+    build_service(svc, &slices, config, &mut ctx, &mut state);
+    (state, errors)
+}
 
-    let mut slices_by_service: BTreeMap<(String, String), Vec<&EndpointSlice>> = BTreeMap::new();
-    for slice in &snapshot.slices {
-        let ns = slice.metadata.namespace.clone().unwrap_or_else(|| "default".into());
-        match slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL)) {
-            Some(svc) => slices_by_service.entry((ns, svc.clone())).or_default().push(slice),
-            None => errors.push(ObjectError {
-                object: format!("endpointslice {ns}/{}", slice.metadata.name.as_deref().unwrap_or("?")),
-                reason: format!("no {SERVICE_NAME_LABEL} label; ignored"),
-            }),
+/// The whole desired state from scratch. The agent keeps it up to date with
+/// `incremental::Model` instead; this is the reference it is tested against.
+/// A frontend two Services claim (the API forbids it for ClusterIPs and
+/// NodePorts, not for ExternalIPs) goes to the first by namespace/name.
+pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<ObjectError>) {
+    let mut state = DesiredState::default();
+    let grouped = group(snapshot);
+    let mut errors = grouped.errors;
+    let zone = topology::node_zone(snapshot.node.as_ref());
+    for (key, svc) in &grouped.services {
+        let slices = grouped.slices.get(key).map(Vec::as_slice).unwrap_or(&[]);
+        let (part, part_errors) = build_part(*key, svc, slices, config, zone);
+        errors.extend(part_errors);
+        state.backend_sets.extend(part.backend_sets);
+        state.source_ranges.extend(part.source_ranges);
+        state.cluster_ips.extend(part.cluster_ips);
+        for (fk, fe) in part.frontends {
+            state.frontends.entry(fk).or_insert(fe);
         }
     }
-
-    let services: BTreeSet<(String, String)> = snapshot
-        .services
-        .iter()
-        .map(|s| (s.metadata.namespace.clone().unwrap_or_else(|| "default".into()), s.metadata.name.clone().unwrap_or_default()))
-        .collect();
-    for ((ns, svc), slices) in slices_by_service.iter().filter(|(key, _)| !services.contains(key)) {
-        for slice in slices {
-            errors.push(ObjectError {
-                object: format!("endpointslice {ns}/{}", slice.metadata.name.as_deref().unwrap_or("?")),
-                reason: format!("no such service {ns}/{svc}; ignored until it exists"),
-            });
-        }
-    }
-
-    for svc in &snapshot.services {
-        let ns = svc.metadata.namespace.clone().unwrap_or_else(|| "default".into());
-        let name = svc.metadata.name.clone().unwrap_or_default();
-        let slices = slices_by_service.get(&(ns.clone(), name.clone())).map(Vec::as_slice).unwrap_or(&[]);
-        let zone = topology::node_zone(snapshot.node.as_ref());
-        let mut ctx = ServiceCtx { ns, name, zone, errors: &mut errors };
-        build_service(svc, slices, config, &mut ctx, &mut state);
-    }
+    state.backends = backend_states(&state);
     (state, errors)
 }
 
@@ -558,7 +632,7 @@ pub(crate) fn endpoint_flags(ep: &Endpoint, config: &ModelConfig) -> u8 {
 
 /// Every distinct backend (address, port, protocol) in the state, in order,
 /// with the union of its states across the sets it is in.
-pub fn backend_states(state: &DesiredState) -> BTreeMap<(IpAddr, u16, u8), u8> {
+pub fn backend_states(state: &DesiredState) -> BTreeMap<BackendTuple, u8> {
     let mut states = BTreeMap::new();
     for b in state.backend_sets.values().flatten() {
         *states.entry((b.addr, b.port, b.proto)).or_default() |= b.flags;

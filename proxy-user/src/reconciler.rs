@@ -4,17 +4,22 @@
 //! removals last. IDs come from what the maps already hold, so a restarted
 //! agent keeps every service and backend ID and no flow is disturbed.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::net::IpAddr;
+use std::{
+    collections::{BTreeSet, HashMap, HashSet},
+    net::IpAddr,
+};
 
 use anyhow::{Context, Result};
 use ipnet::IpNet;
 use proxy_common::{Addr, Backend, FrontendKey, KIND_CLUSTER_IP, ServiceEntry, ServiceName, SlotKey, cluster_ip_marker};
 
-use crate::model::{BackendSetKey, DesiredState};
+use crate::{
+    incremental::Touched,
+    model::{BackendSetKey, BackendTuple, DesiredState},
+};
 
 /// What the maps hold (or, for the reconciler, what it has written).
-#[derive(Clone, Default)]
+#[derive(Clone, Default, Debug, PartialEq, Eq)]
 pub struct Contents {
     pub frontends: HashMap<FrontendKey, ServiceEntry>,
     pub slots: HashMap<SlotKey, u32>,
@@ -50,60 +55,139 @@ pub struct SyncStats {
 pub struct Reconciler {
     /// Mirror of the maps, updated after each successful write.
     held: Contents,
+    /// Indexes of `held`: the ID of each service (by name and endpoint
+    /// policy) and backend, the IDs in use, and each service's slot count.
+    service_ids: HashMap<(String, u8), u32>,
+    backend_ids: HashMap<BackendTuple, u32>,
+    free_service_ids: FreeIds,
+    free_backend_ids: FreeIds,
+    slot_counts: HashMap<u32, u32>,
 }
-
-type BackendTuple = (IpAddr, u16, u8);
 
 impl Reconciler {
     /// Starts from what the maps already hold (empty on a first start).
     pub fn adopt(held: Contents) -> Self {
-        Reconciler { held }
+        let service_ids = held.names.iter().map(|(id, (name, policy))| ((name.clone(), *policy), *id)).collect();
+        let backend_ids = held.backends.iter().map(|(id, b)| ((b.addr.to_ip(), u16::from_be(b.port), b.proto), *id)).collect();
+        let mut slot_counts: HashMap<u32, u32> = HashMap::new();
+        for k in held.slots.keys() {
+            let n = slot_counts.entry(k.service_id).or_default();
+            *n = (*n).max(k.slot + 1);
+        }
+        Reconciler {
+            free_service_ids: FreeIds::new(held.names.keys().copied()),
+            free_backend_ids: FreeIds::new(held.backends.keys().copied()),
+            held,
+            service_ids,
+            backend_ids,
+            slot_counts,
+        }
     }
 
     pub fn held(&self) -> &Contents {
         &self.held
     }
 
+    /// Makes the maps hold `desired`, looking at every entry.
     pub fn sync(&mut self, desired: &DesiredState, maps: &mut impl MapWriter) -> Result<SyncStats> {
+        let everything = Keys {
+            sets: desired.backend_sets.keys().collect(),
+            frontends: desired.frontends.keys().copied().collect(),
+            cluster_ips: desired.cluster_ips.iter().copied().collect(),
+            backends: desired.backends.keys().copied().collect(),
+        };
+        let (mut stats, set_ids) = self.apply(desired, &everything, maps)?;
+        stats.deletes += self.remove_unwanted(desired, &set_ids, maps)?;
+        stats.frontends = self.held.frontends.len();
+        stats.backends = self.held.backends.len();
+        Ok(stats)
+    }
+
+    /// Like `sync`, looking only at the entries of `touched`: everything
+    /// else must already be as `desired` says (the last sync succeeded, and
+    /// `touched` holds every key that changed since).
+    pub fn sync_touched(&mut self, desired: &DesiredState, touched: &Touched, maps: &mut impl MapWriter) -> Result<SyncStats> {
+        let keys = Keys {
+            sets: touched.sets.iter().collect(),
+            frontends: touched.frontends.iter().copied().collect(),
+            cluster_ips: touched.cluster_ips.iter().copied().collect(),
+            backends: touched.backends.iter().copied().collect(),
+        };
+        let (mut stats, _) = self.apply(desired, &keys, maps)?;
+        stats.frontends = self.held.frontends.len();
+        stats.backends = self.held.backends.len();
+        Ok(stats)
+    }
+
+    /// Writes and removes the entries of the `touched` keys.
+    /// Also returns the IDs of the touched sets that are wanted.
+    fn apply<'k>(
+        &mut self,
+        desired: &DesiredState,
+        touched: &Keys<'k>,
+        maps: &mut impl MapWriter,
+    ) -> Result<(SyncStats, HashMap<&'k BackendSetKey, u32>)> {
         let mut stats = SyncStats::default();
-        let service_ids = self.service_ids(desired);
-        let backend_states = crate::model::backend_states(desired);
-        let backend_ids = self.backend_ids(&backend_states);
 
         // 1. Backends, and names of new services.
-        for (&(addr, port, proto), &id) in &backend_ids {
-            let want = Backend { addr: Addr::from(addr), port: port.to_be(), proto, flags: backend_states[&(addr, port, proto)] };
+        for t @ &(addr, port, proto) in &touched.backends {
+            let Some(&flags) = desired.backends.get(t) else { continue };
+            let id = match self.backend_ids.get(t) {
+                Some(id) => *id,
+                None => self.free_backend_ids.take(),
+            };
+            let want = Backend { addr: Addr::from(addr), port: port.to_be(), proto, flags };
             if self.held.backends.get(&id) != Some(&want) {
-                maps.put_backend(id, &want).with_context(|| format!("backend {addr}:{port}"))?;
+                if let Err(e) = maps.put_backend(id, &want) {
+                    if !self.backend_ids.contains_key(t) {
+                        self.free_backend_ids.release(id);
+                    }
+                    return Err(e).with_context(|| format!("backend {addr}:{port}"));
+                }
                 self.held.backends.insert(id, want);
+                self.backend_ids.insert(*t, id);
                 stats.writes += 1;
             }
         }
-        for (set, &id) in &service_ids {
+        let mut set_ids: HashMap<&BackendSetKey, u32> = HashMap::new();
+        for &set in touched.sets.iter().filter(|s| desired.backend_sets.contains_key(**s)) {
             let name = set.service.to_string();
-            if self.held.names.get(&id) != Some(&(name.clone(), set.policy)) {
-                maps.put_name(id, &ServiceName::new(&name, set.policy))?;
-                self.held.names.insert(id, (name, set.policy));
-                stats.writes += 1;
-            }
+            let id = match self.service_ids.get(&(name.clone(), set.policy)) {
+                Some(id) => *id,
+                None => {
+                    let id = self.free_service_ids.take();
+                    if let Err(e) = maps.put_name(id, &ServiceName::new(&name, set.policy)) {
+                        self.free_service_ids.release(id);
+                        return Err(e).with_context(|| format!("service {name}"));
+                    }
+                    self.held.names.insert(id, (name.clone(), set.policy));
+                    self.service_ids.insert((name, set.policy), id);
+                    stats.writes += 1;
+                    id
+                }
+            };
+            set_ids.insert(set, id);
         }
 
         // 2. Slots, then the frontends that expose them.
-        for (set, backends) in &desired.backend_sets {
-            let service_id = service_ids[set];
-            for (slot, b) in backends.iter().enumerate() {
+        for (&set, &service_id) in &set_ids {
+            for (slot, b) in desired.backend_sets[set].iter().enumerate() {
                 let key = SlotKey { service_id, slot: slot as u32 };
-                let backend_id = backend_ids[&(b.addr, b.port, b.proto)];
+                let backend_id = self.backend_ids[&(b.addr, b.port, b.proto)];
                 if self.held.slots.get(&key) != Some(&backend_id) {
                     maps.put_slot(&key, backend_id)?;
                     self.held.slots.insert(key, backend_id);
+                    let n = self.slot_counts.entry(service_id).or_default();
+                    *n = (*n).max(slot as u32 + 1);
                     stats.writes += 1;
                 }
             }
         }
         // Source ranges before the frontends that consult them.
-        let want_ranges: HashSet<(u32, IpNet)> =
-            desired.source_ranges.iter().flat_map(|(set, nets)| nets.iter().map(|n| (service_ids[set], *n))).collect();
+        let mut want_ranges: HashSet<(u32, IpNet)> = HashSet::new();
+        for (&set, &id) in &set_ids {
+            want_ranges.extend(desired.source_ranges.get(set).into_iter().flatten().map(|n| (id, *n)));
+        }
         for r in &want_ranges {
             if !self.held.source_ranges.contains(r) {
                 maps.put_source_range(r.0, &r.1)?;
@@ -111,115 +195,181 @@ impl Reconciler {
                 stats.writes += 1;
             }
         }
-        let want_frontends = self.frontend_entries(desired, &service_ids);
-        for (key, want) in &want_frontends {
-            if self.held.frontends.get(key) != Some(want) {
-                maps.put_frontend(key, want).with_context(|| format!("frontend {}:{}", key.addr, u16::from_be(key.port)))?;
-                self.held.frontends.insert(*key, *want);
-                stats.writes += 1;
+        let mut stale_frontends = Vec::new();
+        let markers = touched.cluster_ips.iter().map(|ip| cluster_ip_marker(Addr::from(*ip)));
+        for key in touched.frontends.iter().copied().chain(markers) {
+            match self.frontend_entry(desired, &set_ids, &key) {
+                Some(want) => {
+                    if self.held.frontends.get(&key) != Some(&want) {
+                        maps.put_frontend(&key, &want)
+                            .with_context(|| format!("frontend {}:{}", key.addr, u16::from_be(key.port)))?;
+                        self.held.frontends.insert(key, want);
+                        stats.writes += 1;
+                    }
+                }
+                None => stale_frontends.push(key),
             }
         }
 
         // 3. Removals: frontends, then what stood behind them, then backends.
-        let stale: Vec<FrontendKey> = self.held.frontends.keys().filter(|k| !want_frontends.contains_key(k)).copied().collect();
-        for key in stale {
-            maps.del_frontend(&key)?;
-            self.held.frontends.remove(&key);
-            stats.deletes += 1;
+        for key in stale_frontends {
+            if self.held.frontends.contains_key(&key) {
+                maps.del_frontend(&key)?;
+                self.held.frontends.remove(&key);
+                stats.deletes += 1;
+            }
         }
-        let stale: Vec<(u32, IpNet)> = self.held.source_ranges.difference(&want_ranges).copied().collect();
+        let mut ids_of_touched: HashSet<u32> = set_ids.values().copied().collect();
+        let unwanted = touched.sets.iter().filter(|set| !set_ids.contains_key(**set));
+        ids_of_touched.extend(unwanted.filter_map(|set| self.service_ids.get(&(set.service.to_string(), set.policy)).copied()));
+        let stale: Vec<(u32, IpNet)> = self
+            .held
+            .source_ranges
+            .iter()
+            .filter(|r| ids_of_touched.contains(&r.0) && !want_ranges.contains(r))
+            .copied()
+            .collect();
         for r in stale {
             maps.del_source_range(r.0, &r.1)?;
             self.held.source_ranges.remove(&r);
             stats.deletes += 1;
         }
-        let slot_counts: HashMap<u32, u32> =
-            desired.backend_sets.iter().map(|(set, b)| (service_ids[set], b.len() as u32)).collect();
-        let stale: Vec<SlotKey> = self
-            .held
-            .slots
-            .keys()
-            .filter(|k| slot_counts.get(&k.service_id).is_none_or(|&n| k.slot >= n))
-            .copied()
-            .collect();
-        for key in stale {
-            maps.del_slot(&key)?;
-            self.held.slots.remove(&key);
-            stats.deletes += 1;
-        }
-        let live: BTreeSet<u32> = service_ids.values().copied().collect();
-        let stale: Vec<u32> = self.held.names.keys().filter(|id| !live.contains(id)).copied().collect();
-        for id in stale {
+        for &set in &touched.sets {
+            if let Some(&id) = set_ids.get(set) {
+                stats.deletes += self.trim_slots(id, desired.backend_sets[set].len() as u32, maps)?;
+                continue;
+            }
+            let name = set.service.to_string();
+            let Some(&id) = self.service_ids.get(&(name.clone(), set.policy)) else { continue };
+            stats.deletes += self.trim_slots(id, 0, maps)?;
             maps.del_name(id)?;
             self.held.names.remove(&id);
+            self.service_ids.remove(&(name, set.policy));
+            self.free_service_ids.release(id);
             stats.deletes += 1;
         }
-        let live: BTreeSet<u32> = backend_ids.values().copied().collect();
-        let stale: Vec<u32> = self.held.backends.keys().filter(|id| !live.contains(id)).copied().collect();
-        for id in stale {
+        for t in &touched.backends {
+            if desired.backends.contains_key(t) {
+                continue;
+            }
+            let Some(&id) = self.backend_ids.get(t) else { continue };
             maps.del_backend(id)?;
             self.held.backends.remove(&id);
+            self.backend_ids.remove(t);
+            self.free_backend_ids.release(id);
             stats.deletes += 1;
         }
-
-        stats.frontends = self.held.frontends.len();
-        stats.backends = self.held.backends.len();
-        Ok(stats)
+        Ok((stats, set_ids))
     }
 
-    /// Every frontend entry the maps should hold: the service frontends, and
-    /// a marker per ClusterIP so its unserved ports are rejected.
-    fn frontend_entries(&self, desired: &DesiredState, service_ids: &BTreeMap<BackendSetKey, u32>) -> HashMap<FrontendKey, ServiceEntry> {
-        let mut entries: HashMap<FrontendKey, ServiceEntry> = desired
-            .cluster_ips
+    /// Removes every held entry `desired` does not name (including ones a
+    /// previous agent left that no touched key reaches); `set_ids` holds
+    /// the ID of every wanted set.
+    fn remove_unwanted(&mut self, desired: &DesiredState, set_ids: &HashMap<&BackendSetKey, u32>, maps: &mut impl MapWriter) -> Result<usize> {
+        let mut deletes = 0;
+        let wanted = |k: &FrontendKey| {
+            desired.frontends.contains_key(k) || (*k == cluster_ip_marker(k.addr) && desired.cluster_ips.contains(&k.addr.to_ip()))
+        };
+        let stale: Vec<FrontendKey> = self.held.frontends.keys().filter(|k| !wanted(k)).copied().collect();
+        for key in stale {
+            maps.del_frontend(&key)?;
+            self.held.frontends.remove(&key);
+            deletes += 1;
+        }
+        let live: HashMap<u32, &BackendSetKey> = set_ids.iter().map(|(set, id)| (*id, *set)).collect();
+        let stale: Vec<(u32, IpNet)> = self
+            .held
+            .source_ranges
             .iter()
-            .map(|ip| (cluster_ip_marker(Addr::from(*ip)), ServiceEntry { kind: KIND_CLUSTER_IP, ..Default::default() }))
+            .filter(|(id, net)| live.get(id).and_then(|set| desired.source_ranges.get(*set)).is_none_or(|nets| !nets.contains(net)))
+            .copied()
             .collect();
-        for (key, fe) in &desired.frontends {
-            let entry = ServiceEntry {
-                service_id: service_ids[&fe.set],
+        for r in stale {
+            maps.del_source_range(r.0, &r.1)?;
+            self.held.source_ranges.remove(&r);
+            deletes += 1;
+        }
+        let ids: Vec<u32> = self.slot_counts.keys().copied().collect();
+        for id in ids {
+            let keep = live.get(&id).map_or(0, |set| desired.backend_sets[*set].len() as u32);
+            deletes += self.trim_slots(id, keep, maps)?;
+        }
+        let stale: Vec<u32> = self.held.names.keys().filter(|id| !live.contains_key(id)).copied().collect();
+        for id in stale {
+            maps.del_name(id)?;
+            if let Some(key) = self.held.names.remove(&id) {
+                self.service_ids.remove(&key);
+            }
+            self.free_service_ids.release(id);
+            deletes += 1;
+        }
+        let stale: Vec<(BackendTuple, u32)> =
+            self.backend_ids.iter().filter(|(t, _)| !desired.backends.contains_key(*t)).map(|(t, id)| (*t, *id)).collect();
+        for (t, id) in stale {
+            maps.del_backend(id)?;
+            self.held.backends.remove(&id);
+            self.backend_ids.remove(&t);
+            self.free_backend_ids.release(id);
+            deletes += 1;
+        }
+        Ok(deletes)
+    }
+
+    /// Deletes a service's slots from `keep` on.
+    fn trim_slots(&mut self, service_id: u32, keep: u32, maps: &mut impl MapWriter) -> Result<usize> {
+        let Some(&held) = self.slot_counts.get(&service_id) else { return Ok(0) };
+        let mut deletes = 0;
+        for slot in keep..held {
+            let key = SlotKey { service_id, slot };
+            if self.held.slots.contains_key(&key) {
+                maps.del_slot(&key)?;
+                self.held.slots.remove(&key);
+                deletes += 1;
+            }
+        }
+        if keep == 0 {
+            self.slot_counts.remove(&service_id);
+        } else {
+            self.slot_counts.insert(service_id, keep);
+        }
+        Ok(deletes)
+    }
+
+    /// The entry a frontend key should hold: a service frontend, or the
+    /// marker of a ClusterIP (so its unserved ports are rejected).
+    fn frontend_entry(&self, desired: &DesiredState, set_ids: &HashMap<&BackendSetKey, u32>, key: &FrontendKey) -> Option<ServiceEntry> {
+        if let Some(fe) = desired.frontends.get(key) {
+            let service_id = match set_ids.get(&fe.set) {
+                Some(id) => *id,
+                None => *self.service_ids.get(&(fe.set.service.to_string(), fe.set.policy))?,
+            };
+            return Some(ServiceEntry {
+                service_id,
                 backend_count: desired.backend_sets.get(&fe.set).map_or(0, Vec::len) as u32,
                 kind: fe.kind,
                 flags: fe.flags,
                 affinity_timeout_s: fe.affinity_timeout_s,
                 ..Default::default()
-            };
-            entries.insert(*key, entry);
+            });
         }
-        entries
+        (*key == cluster_ip_marker(key.addr) && desired.cluster_ips.contains(&key.addr.to_ip()))
+            .then(|| ServiceEntry { kind: KIND_CLUSTER_IP, ..Default::default() })
     }
+}
 
-    /// Existing IDs by name and endpoint policy; new ones take the lowest free ID.
-    fn service_ids(&self, desired: &DesiredState) -> BTreeMap<BackendSetKey, u32> {
-        let by_name: HashMap<(&str, u8), u32> =
-            self.held.names.iter().map(|(id, (name, policy))| ((name.as_str(), *policy), *id)).collect();
-        let mut free = FreeIds::new(self.held.names.keys().copied());
-        desired
-            .backend_sets
-            .keys()
-            .map(|set| {
-                let id = by_name.get(&(set.service.to_string().as_str(), set.policy)).copied().unwrap_or_else(|| free.take());
-                (set.clone(), id)
-            })
-            .collect()
-    }
-
-    /// Existing IDs by address, port and protocol; new ones take the lowest free ID.
-    fn backend_ids(&self, backends: &BTreeMap<BackendTuple, u8>) -> BTreeMap<BackendTuple, u32> {
-        let by_tuple: HashMap<BackendTuple, u32> =
-            self.held.backends.iter().map(|(id, b)| ((b.addr.to_ip(), u16::from_be(b.port), b.proto), *id)).collect();
-        let mut free = FreeIds::new(self.held.backends.keys().copied());
-        backends
-            .keys()
-            .map(|&t| (t, by_tuple.get(&t).copied().unwrap_or_else(|| free.take())))
-            .collect()
-    }
+/// The keys a sync looks at.
+struct Keys<'k> {
+    sets: Vec<&'k BackendSetKey>,
+    frontends: Vec<FrontendKey>,
+    cluster_ips: Vec<IpAddr>,
+    backends: Vec<BackendTuple>,
 }
 
 /// Hands out the lowest IDs (from 1) not in use. Reusing a freed ID is safe:
 /// conntrack checks that a backend ID still names the same address and port.
 struct FreeIds {
     used: BTreeSet<u32>,
+    /// No ID below this is free.
     next: u32,
 }
 
@@ -234,6 +384,11 @@ impl FreeIds {
         }
         self.used.insert(self.next);
         self.next
+    }
+
+    fn release(&mut self, id: u32) {
+        self.used.remove(&id);
+        self.next = self.next.min(id.max(1));
     }
 }
 
@@ -282,6 +437,8 @@ impl MapWriter for Contents {
 
 #[cfg(test)]
 mod tests {
+    use std::net::IpAddr;
+
     use super::*;
     use crate::model::{DesiredBackend, DesiredFrontend, ServicePortName};
     use proxy_common::{BACKEND_READY, IPPROTO_TCP, KIND_CLUSTER_IP, POLICY_CLUSTER, SCOPE_INTERNAL};
@@ -307,6 +464,7 @@ mod tests {
             d.backend_sets.insert(set(name), backends.iter().map(|b| backend(b)).collect());
             d.frontends.insert(frontend(vip), DesiredFrontend { set: set(name), kind: KIND_CLUSTER_IP, flags: 0, affinity_timeout_s: 0 });
         }
+        d.backends = crate::model::backend_states(&d);
         d
     }
 

@@ -32,8 +32,9 @@ struct Watch {
 #[derive(Default)]
 struct State {
     resource_version: u64,
-    /// resource -> objects
-    objects: BTreeMap<String, Vec<Value>>,
+    /// resource -> (namespace, name) -> object; keyed, so loading a large
+    /// cluster object by object stays fast.
+    objects: BTreeMap<String, BTreeMap<(String, String), Value>>,
     watches: Vec<Watch>,
     /// "VERB resource" of each request, in order.
     requests: Vec<String>,
@@ -98,19 +99,28 @@ impl FakeApi {
     }
 
     /// Adds or replaces an object (by namespace/name); open watches see ADDED or MODIFIED.
-    pub fn apply(&self, resource: &str, mut obj: Value) {
+    pub fn apply(&self, resource: &str, obj: Value) {
+        self.apply_all(resource, [obj]);
+    }
+
+    /// `apply` for many objects under one lock (a large cluster's initial contents).
+    pub fn apply_all(&self, resource: &str, objs: impl IntoIterator<Item = Value>) {
         let mut st = self.state.lock().unwrap();
-        st.resource_version += 1;
-        obj["metadata"]["resourceVersion"] = json!(st.resource_version.to_string());
-        let key = |o: &Value| (o["metadata"]["namespace"].clone(), o["metadata"]["name"].clone());
-        let list = st.objects.entry(resource.to_string()).or_default();
-        let existed = list.iter().position(|o| key(o) == key(&obj)).map(|i| list.remove(i)).is_some();
-        list.push(obj.clone());
-        let event = json!({"type": if existed { "MODIFIED" } else { "ADDED" }, "object": obj}).to_string();
-        let labels = obj["metadata"]["labels"].clone();
-        st.watches.retain(|w| {
-            w.resource != resource || !labels_match(&w.label_selector, &labels) || w.tx.send(event.clone()).is_ok()
-        });
+        for mut obj in objs {
+            st.resource_version += 1;
+            obj["metadata"]["resourceVersion"] = json!(st.resource_version.to_string());
+            let text = |v: &Value| v.as_str().unwrap_or("").to_string();
+            let key = (text(&obj["metadata"]["namespace"]), text(&obj["metadata"]["name"]));
+            let existed = st.objects.entry(resource.to_string()).or_default().insert(key, obj.clone()).is_some();
+            if st.watches.is_empty() {
+                continue;
+            }
+            let event = json!({"type": if existed { "MODIFIED" } else { "ADDED" }, "object": obj}).to_string();
+            let labels = obj["metadata"]["labels"].clone();
+            st.watches.retain(|w| {
+                w.resource != resource || !labels_match(&w.label_selector, &labels) || w.tx.send(event.clone()).is_ok()
+            });
+        }
     }
 
     pub fn requests(&self) -> Vec<String> {
@@ -198,7 +208,7 @@ fn serve(mut conn: TcpStream, state: &Mutex<State>, stop: &AtomicBool) -> std::i
     };
     match verb {
         "get" => {
-            let found = st.objects.get(&resource).into_iter().flatten().find(|o| Some(o["metadata"]["name"].as_str().unwrap_or("")) == name.as_deref()).cloned();
+            let found = st.objects.get(&resource).into_iter().flat_map(|m| m.values()).find(|o| Some(o["metadata"]["name"].as_str().unwrap_or("")) == name.as_deref()).cloned();
             drop(st);
             match found {
                 Some(o) => respond(&mut conn, "200 OK", &o.to_string()),
@@ -210,7 +220,7 @@ fn serve(mut conn: TcpStream, state: &Mutex<State>, stop: &AtomicBool) -> std::i
             }
         }
         "list" => {
-            let items: Vec<&Value> = st.objects.get(&resource).into_iter().flatten().filter(selected).collect();
+            let items: Vec<&Value> = st.objects.get(&resource).into_iter().flat_map(|m| m.values()).filter(selected).collect();
             let body = json!({"apiVersion": "v1", "kind": list_kind(&resource),
                               "metadata": {"resourceVersion": st.resource_version.to_string()}, "items": items});
             drop(st);

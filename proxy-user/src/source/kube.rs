@@ -60,11 +60,12 @@ impl KubeSource {
     }
 }
 
-/// One resource's objects by `namespace/name`, as its watcher last reported them.
+/// One resource's objects by `namespace/name`, as its watcher last reported
+/// them; shared with the snapshots, so publishing one copies no object.
 struct Store<K> {
-    objects: BTreeMap<String, K>,
+    objects: BTreeMap<String, Arc<K>>,
     /// Objects of a relist in progress; they replace `objects` when it completes.
-    relisting: Option<BTreeMap<String, K>>,
+    relisting: Option<BTreeMap<String, Arc<K>>>,
     /// Whether a complete list has arrived.
     listed: bool,
 }
@@ -78,7 +79,7 @@ impl<K: Resource + Clone> Store<K> {
     fn apply(&mut self, event: watcher::Event<K>) -> bool {
         match event {
             watcher::Event::Apply(obj) => {
-                self.objects.insert(key(&obj), trim(obj));
+                self.objects.insert(key(&obj), Arc::new(trim(obj)));
                 self.listed
             }
             watcher::Event::Delete(obj) => self.objects.remove(&key(&obj)).is_some() && self.listed,
@@ -87,7 +88,7 @@ impl<K: Resource + Clone> Store<K> {
                 false
             }
             watcher::Event::InitApply(obj) => {
-                self.relisting.get_or_insert_default().insert(key(&obj), trim(obj));
+                self.relisting.get_or_insert_default().insert(key(&obj), Arc::new(trim(obj)));
                 false
             }
             watcher::Event::InitDone => {
@@ -164,7 +165,7 @@ impl Source for KubeSource {
                 ev = slices.next() => handle("endpointslices", ev, &mut slice_store)?,
                 ev = nodes.next() => {
                     handle("nodes", ev, &mut node_store)?;
-                    let node = node_store.objects.values().next().cloned().map(node_identity);
+                    let node = node_store.objects.values().next().map(|n| node_identity((**n).clone()));
                     let changed = node_store.listed && (node != node_seen || !published);
                     node_seen = node;
                     changed

@@ -3,22 +3,24 @@
 //! good version keeps being served, so a typo never drops a Service.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
+    hash::{Hash, Hasher},
     path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
 };
 
 use anyhow::{Context, Result};
-use notify_debouncer_mini::{DebounceEventResult, new_debouncer, notify::RecursiveMode};
+use notify::{
+    EventKind, RecursiveMode, Watcher,
+    event::{AccessKind, AccessMode, CreateKind, ModifyKind, RemoveKind},
+};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use super::{Snapshot, SnapshotSender, Source};
 use crate::manifest::{self, ManifestError, Object};
 
-/// Changes that arrive within this window are applied together.
-const DEBOUNCE: Duration = Duration::from_millis(50);
 /// A rescan even without events, in case the filesystem drops one.
 const RESCAN: Duration = Duration::from_secs(30);
 
@@ -33,11 +35,21 @@ impl ManifestsSource {
     }
 }
 
-/// One file as last read: its text, and its objects from the last time it parsed.
+/// One file as last read: a hash of its text (to tell a real change from a
+/// rewrite of the same bytes, without keeping the text), and its objects
+/// from the last time it parsed.
 struct FileState {
-    text: String,
+    hash: u64,
     objects: Vec<Object>,
     error: Option<ManifestError>,
+}
+
+/// What reading one file gave.
+enum Read {
+    Gone,
+    Unreadable(std::io::Error),
+    Unchanged,
+    Parsed(u64, Result<Vec<Object>, ManifestError>),
 }
 
 #[derive(Default)]
@@ -46,42 +58,49 @@ pub struct DirState {
 }
 
 impl DirState {
-    /// Re-reads the directory; returns whether the served objects changed.
+    /// Re-reads the whole directory; returns whether the served objects changed.
     pub fn rescan(&mut self, dir: &Path) -> bool {
-        let mut changed = false;
         let found = manifest_files(dir);
-        let before = self.files.len();
-        self.files.retain(|path, _| found.contains(path));
-        changed |= self.files.len() != before;
+        let mut paths: BTreeSet<PathBuf> = self.files.keys().cloned().collect();
+        paths.extend(found);
+        self.reload(paths.into_iter().collect())
+    }
 
-        for path in found {
-            let text = match std::fs::read_to_string(&path) {
-                Ok(t) => t,
-                Err(e) => {
-                    // Deleted between listing and reading, or unreadable: keep what we had.
+    /// Re-reads the given files (and forgets those that are gone); returns
+    /// whether the served objects changed. Files are read and parsed in
+    /// parallel, and applied in path order.
+    pub fn reload(&mut self, paths: Vec<PathBuf>) -> bool {
+        let known: Vec<Option<u64>> = paths.iter().map(|p| self.files.get(p).map(|f| f.hash)).collect();
+        let reads = read_all(&paths, &known);
+        let mut changed = false;
+        for (path, read) in paths.into_iter().zip(reads) {
+            match read {
+                Read::Unchanged => {}
+                Read::Gone => changed |= self.files.remove(&path).is_some(),
+                Read::Unreadable(e) => {
+                    // Unreadable for now: keep what we had.
                     warn!(path = %path.display(), error = %e, "cannot read manifest; keeping its last good version");
-                    continue;
                 }
-            };
-            if self.files.get(&path).is_some_and(|f| f.text == text) {
-                continue;
-            }
-            match manifest::parse(&path, &text) {
-                Ok(objects) => {
+                Read::Parsed(hash, Ok(objects)) => {
                     if self.files.get(&path).is_some_and(|f| f.error.is_some()) {
                         info!(path = %path.display(), "manifest fixed");
                     }
-                    self.files.insert(path, FileState { text, objects, error: None });
+                    self.files.insert(path, FileState { hash, objects, error: None });
                     changed = true;
                 }
-                Err(e) => {
+                Read::Parsed(hash, Err(e)) => {
                     warn!("bad manifest {e}; ignored until fixed, its last good version (if any) is still served");
                     let objects = self.files.remove(&path).map(|f| f.objects).unwrap_or_default();
-                    self.files.insert(path, FileState { text, objects, error: Some(e) });
+                    self.files.insert(path, FileState { hash, objects, error: Some(e) });
                 }
             }
         }
         changed
+    }
+
+    /// Whether any file read so far lies under `dir`.
+    fn has_files_under(&self, dir: &Path) -> bool {
+        self.files.range(dir.to_path_buf()..).next().is_some_and(|(p, _)| p.starts_with(dir))
     }
 
     pub fn errors(&self) -> Vec<&ManifestError> {
@@ -97,6 +116,51 @@ impl DirState {
     }
 }
 
+fn content_hash(bytes: &[u8]) -> u64 {
+    let mut h = std::hash::DefaultHasher::new();
+    bytes.hash(&mut h);
+    h.finish()
+}
+
+/// Reads, hashes and (when the hash differs from `known`) parses each file,
+/// on every CPU: parsing YAML is the bulk of a cold start.
+fn read_all(paths: &[PathBuf], known: &[Option<u64>]) -> Vec<Read> {
+    let read_one = |path: &PathBuf, known: Option<u64>| match std::fs::read(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Read::Gone,
+        Err(e) => Read::Unreadable(e),
+        Ok(bytes) => {
+            let hash = content_hash(&bytes);
+            if known == Some(hash) {
+                return Read::Unchanged;
+            }
+            let parsed = match std::str::from_utf8(&bytes) {
+                Ok(text) => manifest::parse(path, text),
+                Err(e) => Err(ManifestError { path: path.display().to_string(), line: 0, reason: format!("not UTF-8: {e}") }),
+            };
+            Read::Parsed(hash, parsed)
+        }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(paths.len());
+    if threads <= 1 {
+        return paths.iter().zip(known).map(|(p, k)| read_one(p, *k)).collect();
+    }
+    let chunk = paths.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = paths
+            .chunks(chunk)
+            .zip(known.chunks(chunk))
+            .map(|(ps, ks)| scope.spawn(move || ps.iter().zip(ks).map(|(p, k)| read_one(p, *k)).collect::<Vec<_>>()))
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().expect("manifest reader panicked")).collect()
+    })
+}
+
+fn is_manifest(path: &Path) -> bool {
+    let hidden = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    !hidden && matches!(ext, "yaml" | "yml" | "json")
+}
+
 /// Sorted, so the same directory always reads the same way.
 fn manifest_files(dir: &Path) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = walkdir::WalkDir::new(dir)
@@ -105,27 +169,49 @@ fn manifest_files(dir: &Path) -> Vec<PathBuf> {
         .filter_map(|e| e.ok())
         .filter(|e| e.file_type().is_file())
         .map(|e| e.into_path())
-        .filter(|p| {
-            let hidden = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
-            let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("");
-            !hidden && matches!(ext, "yaml" | "yml" | "json")
-        })
+        .filter(|p| is_manifest(p))
         .collect();
     files.sort();
     files
 }
 
+/// What one filesystem event asks for.
+#[derive(Debug, PartialEq, Eq)]
+enum Todo {
+    Nothing,
+    /// Re-read these files (they may be gone).
+    Files(Vec<PathBuf>),
+    /// A directory appeared, went or moved: re-read everything.
+    Rescan,
+}
+
+/// Files are re-read when complete: closed after writing, or renamed in
+/// (atomic). A file being written is not read half-way, so there is no need
+/// for a debounce window.
+fn todo(kind: &EventKind, paths: Vec<PathBuf>, state: &DirState) -> Todo {
+    let dir_event = |p: &PathBuf| p.is_dir() || state.has_files_under(p);
+    match kind {
+        EventKind::Create(CreateKind::Folder) | EventKind::Remove(RemoveKind::Folder) => Todo::Rescan,
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => Todo::Files(paths.into_iter().filter(|p| is_manifest(p)).collect()),
+        EventKind::Modify(ModifyKind::Name(_)) | EventKind::Remove(_) | EventKind::Any | EventKind::Other => {
+            if paths.iter().any(|p| !is_manifest(p) && dir_event(p)) {
+                Todo::Rescan
+            } else {
+                Todo::Files(paths.into_iter().filter(|p| is_manifest(p)).collect())
+            }
+        }
+        _ => Todo::Nothing,
+    }
+}
+
 impl Source for ManifestsSource {
     async fn run(self, updates: SnapshotSender) -> Result<()> {
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let mut debouncer = new_debouncer(DEBOUNCE, move |res: DebounceEventResult| {
-            let _ = tx.send(res.is_ok());
+        let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+            let _ = tx.send(res);
         })
         .context("start watching the manifests directory")?;
-        debouncer
-            .watcher()
-            .watch(&self.dir, RecursiveMode::Recursive)
-            .with_context(|| format!("watch {}", self.dir.display()))?;
+        watcher.watch(&self.dir, RecursiveMode::Recursive).with_context(|| format!("watch {}", self.dir.display()))?;
 
         let mut state = DirState::default();
         state.rescan(&self.dir);
@@ -135,12 +221,41 @@ impl Source for ManifestsSource {
         let mut tick = tokio::time::interval(RESCAN);
         tick.tick().await;
         loop {
-            tokio::select! {
-                ev = rx.recv() => if ev.is_none() { anyhow::bail!("manifests watcher stopped") },
-                _ = tick.tick() => {}
+            let first = tokio::select! {
+                ev = rx.recv() => match ev {
+                    Some(ev) => Some(ev),
+                    None => anyhow::bail!("manifests watcher stopped"),
+                },
+                _ = tick.tick() => None,
                 _ = updates.closed() => return Ok(()),
-            }
-            if state.rescan(&self.dir) {
+            };
+            let changed = match first {
+                None => state.rescan(&self.dir),
+                Some(first) => {
+                    // Everything already queued is applied together, as one snapshot.
+                    let mut rescan = false;
+                    let mut files = BTreeSet::new();
+                    let mut next = Some(first);
+                    while let Some(ev) = next {
+                        match ev {
+                            // The kernel's event queue overflowed: events were lost.
+                            Ok(ev) if ev.need_rescan() => rescan = true,
+                            Ok(ev) => match todo(&ev.kind, ev.paths, &state) {
+                                Todo::Nothing => {}
+                                Todo::Files(f) => files.extend(f),
+                                Todo::Rescan => rescan = true,
+                            },
+                            Err(e) => {
+                                warn!("manifests watcher: {e}; re-reading the directory");
+                                rescan = true;
+                            }
+                        }
+                        next = rx.try_recv().ok();
+                    }
+                    if rescan { state.rescan(&self.dir) } else { state.reload(files.into_iter().collect()) }
+                }
+            };
+            if changed {
                 updates.send_replace(Some(Arc::new(state.snapshot())));
             }
         }
@@ -186,5 +301,39 @@ mod tests {
         assert!(st.rescan(dir.path()));
         let names: Vec<_> = st.snapshot().services.iter().map(|s| s.metadata.name.clone().unwrap()).collect();
         assert_eq!(names, vec!["b2".to_string()]);
+
+        // The same bytes again change nothing.
+        write(dir.path(), "b.yml", &SVC.replace("NAME", "b2"));
+        assert!(!st.reload(vec![dir.path().join("b.yml")]));
+    }
+
+    #[test]
+    fn events_name_the_files_to_read() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "a.yaml", &SVC.replace("NAME", "a"));
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        write(&dir.path().join("sub"), "b.yaml", &SVC.replace("NAME", "b"));
+        let mut st = DirState::default();
+        st.rescan(dir.path());
+        let a = dir.path().join("a.yaml");
+        let tmp = dir.path().join(".a.yaml.tmp");
+        let closed = EventKind::Access(AccessKind::Close(AccessMode::Write));
+        let renamed = EventKind::Modify(ModifyKind::Name(notify::event::RenameMode::To));
+        // A file closed after writing, or renamed in: that file.
+        assert_eq!(todo(&closed, vec![a.clone()], &st), Todo::Files(vec![a.clone()]));
+        assert_eq!(todo(&renamed, vec![a.clone()], &st), Todo::Files(vec![a.clone()]));
+        // Writes still under way, and temporary files, are not read.
+        assert_eq!(todo(&EventKind::Modify(ModifyKind::Data(notify::event::DataChange::Any)), vec![a.clone()], &st), Todo::Nothing);
+        assert_eq!(todo(&closed, vec![tmp.clone()], &st), Todo::Files(vec![]));
+        assert_eq!(todo(&EventKind::Modify(ModifyKind::Name(notify::event::RenameMode::From)), vec![tmp], &st), Todo::Files(vec![]));
+        // A directory that moves or goes: everything.
+        let sub = dir.path().join("sub");
+        assert_eq!(todo(&renamed, vec![sub.clone()], &st), Todo::Rescan);
+        std::fs::remove_dir_all(&sub).unwrap();
+        assert_eq!(todo(&EventKind::Remove(RemoveKind::Any), vec![sub], &st), Todo::Rescan);
+        // The reload of a removed file drops it.
+        std::fs::remove_file(&a).unwrap();
+        assert!(st.reload(vec![a]));
+        assert_eq!(st.snapshot().services.len(), 1);
     }
 }

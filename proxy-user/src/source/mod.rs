@@ -12,10 +12,13 @@ use tokio::sync::watch;
 
 use crate::manifest::Object;
 
+/// Objects are shared (`Arc`) between the source, successive snapshots and
+/// the model, so publishing a snapshot copies no object, and the model can
+/// tell an unchanged object from a changed one by pointer.
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
-    pub services: Vec<Service>,
-    pub slices: Vec<EndpointSlice>,
+    pub services: Vec<Arc<Service>>,
+    pub slices: Vec<Arc<EndpointSlice>>,
     pub node: Option<Node>,
 }
 
@@ -23,8 +26,8 @@ impl Snapshot {
     /// Files a parsed object under its kind (a later Node replaces an earlier one).
     pub fn add(&mut self, obj: &Object) {
         match obj {
-            Object::Service(s) => self.services.push((**s).clone()),
-            Object::EndpointSlice(s) => self.slices.push((**s).clone()),
+            Object::Service(s) => self.services.push(s.clone()),
+            Object::EndpointSlice(s) => self.slices.push(s.clone()),
             Object::Node(n) => self.node = Some((**n).clone()),
         }
     }

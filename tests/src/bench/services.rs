@@ -144,6 +144,41 @@ ports:
     )
 }
 
+/// The same Service and EndpointSlice as `manifest`, as the API server's
+/// JSON objects (for the fake API server).
+pub fn api_objects(svc: &Service) -> (serde_json::Value, serde_json::Value) {
+    use serde_json::json;
+    let Service { namespace, name, cluster_ip, .. } = svc;
+    let mut ports = Vec::new();
+    let mut slice_ports = Vec::new();
+    for (on, port_name, port, target, proto, node_port) in [
+        (svc.tcp, "tcp", TCP_PORT, TCP_TARGET, "TCP", TCP_NODE_PORT),
+        (svc.udp, "udp", UDP_PORT, UDP_TARGET, "UDP", UDP_NODE_PORT),
+    ] {
+        if !on {
+            continue;
+        }
+        let mut p = json!({"name": port_name, "port": port, "targetPort": target, "protocol": proto});
+        if svc.node_port {
+            p["nodePort"] = json!(node_port);
+        }
+        ports.push(p);
+        slice_ports.push(json!({"name": port_name, "port": target, "protocol": proto}));
+    }
+    let endpoints: Vec<serde_json::Value> = svc
+        .endpoints
+        .iter()
+        .map(|ip| json!({"addresses": [ip.to_string()], "conditions": {"ready": true}, "nodeName": "node-b"}))
+        .collect();
+    let service = json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"type": if svc.node_port { "NodePort" } else { "ClusterIP" }, "clusterIP": cluster_ip.to_string(), "ports": ports}});
+    let slice = json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": format!("{name}-bench"), "namespace": namespace, "labels": {"kubernetes.io/service-name": name}},
+        "addressType": "IPv4", "ports": slice_ports, "endpoints": endpoints});
+    (service, slice)
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;
@@ -174,5 +209,18 @@ mod tests {
         let filler = manifest(&set.services[0]);
         assert!(filler.contains("protocol: TCP") && !filler.contains("protocol: UDP"));
         assert!(filler.contains("type: ClusterIP") && !filler.contains("nodePort"));
+    }
+
+    #[test]
+    fn api_objects_match_the_manifest() {
+        let set = ServiceSet::new(3);
+        let (svc, slice) = api_objects(set.probe());
+        assert_eq!(svc["spec"]["ports"][1]["nodePort"], 30053);
+        assert_eq!(svc["spec"]["clusterIP"], set.probe().cluster_ip.to_string());
+        assert_eq!(slice["metadata"]["labels"]["kubernetes.io/service-name"], set.probe().name);
+        assert_eq!(slice["endpoints"].as_array().unwrap().len(), ENDPOINTS);
+        let (filler, _) = api_objects(&set.services[0]);
+        assert_eq!(filler["spec"]["ports"].as_array().unwrap().len(), 1);
+        assert!(filler["spec"]["ports"][0].get("nodePort").is_none());
     }
 }

@@ -8,8 +8,10 @@
 //! - Change to map: a new Service file is renamed into the manifests
 //!   directory; the pinned frontend map is polled until its ClusterIP shows.
 //!   The agent's log gives the part spent in its sync.
-//!
-//! The API-server source is not measured (it is being built elsewhere).
+//! - The same through the Kubernetes API source: the agent on `--kubeconfig`
+//!   against the fake API server (tests/src/fake_api.rs) holding the same
+//!   cluster; a new Service and its EndpointSlice are pushed as watch events
+//!   and the frontend map is polled until the Service has all its backends.
 
 use std::{
     net::Ipv4Addr,
@@ -24,6 +26,7 @@ use proxy_tests::{
     bench::services::{self, Service, ServiceSet},
     bpffs::Bpffs,
     cgroup::Cgroup,
+    fake_api::FakeApi,
     netns::Netns,
 };
 use proxy_user::maps::Maps;
@@ -56,8 +59,27 @@ pub struct Phases {
     pub sync: Duration,
 }
 
+/// Where a change comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChangeSource {
+    /// A file renamed into `--manifests DIR`.
+    Manifests,
+    /// Watch events from the (fake) Kubernetes API server.
+    Api,
+}
+
+impl ChangeSource {
+    pub fn label(self) -> &'static str {
+        match self {
+            ChangeSource::Manifests => "manifests",
+            ChangeSource::Api => "Kubernetes API (mocked)",
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct ChangeRow {
+    pub source: ChangeSource,
     pub services: usize,
     pub samples: usize,
     pub p50: Duration,
@@ -124,6 +146,10 @@ fn one_scale(out: &mut Results, dir: &Path, scale: usize, changes: usize) -> Res
         })?;
         let to_healthy = started.elapsed();
         let pid = pid_of(&root)?;
+        // /healthz turns 200 as the sync ends, a moment before its log line.
+        let _ = proxy_tests::agent::wait_until("the first sync's log line", Duration::from_secs(5), || {
+            Ok(!agent_syncs(&agent.logs()).is_empty())
+        });
         let syncs = agent_syncs(&agent.logs());
         let (rss_mib, hwm_mib) = rss(pid)?;
         let row = SyncRow {
@@ -154,7 +180,102 @@ fn one_scale(out: &mut Results, dir: &Path, scale: usize, changes: usize) -> Res
         drop(cgroup);
         drop(ns);
     }
+    if CHANGE_SCALES.contains(&scale) {
+        eprintln!("    control: {changes} changes through the Kubernetes API at {scale} services");
+        out.changes.push(api_changes_to_map(dir, scale, changes)?);
+    }
     Ok(())
+}
+
+/// The agent on `--kubeconfig` against a fake API server holding `scale`
+/// Services; adds `count` Services (each a Service then its EndpointSlice,
+/// as watch events) and times each from the Service's event to its frontend
+/// in the pinned map with every backend.
+fn api_changes_to_map(dir: &Path, scale: usize, count: usize) -> Result<ChangeRow> {
+    let set = ServiceSet::new(scale);
+    let ns = Netns::new(&format!("ep{}-bench-api", proxy_tests::unique_suffix()))?;
+    let api = FakeApi::start(&ns)?;
+    api.apply("nodes", serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}}));
+    let (svcs, slices): (Vec<_>, Vec<_>) = set.services.iter().map(services::api_objects).unzip();
+    api.apply_all("services", svcs);
+    api.apply_all("endpointslices", slices);
+    std::fs::create_dir_all(dir)?;
+    let kubeconfig = dir.join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig)?;
+    let bpffs = Bpffs::new("bench-api")?;
+    let root = bpffs.path().join("ebpf-proxy");
+    let cgroup = Cgroup::new("bench-api")?;
+    let cg = cgroup.path().to_string_lossy().into_owned();
+    let mut agent = Agent::start_kube(&ns, &kubeconfig, &root, &["--cgroup-root", &cg])?;
+    agent.wait_healthy(&ns, Duration::from_secs(300)).map_err(|e| {
+        let last = agent.logs().lines().rev().find(|l| l.contains("ERROR") || l.contains("WARN")).unwrap_or("").to_string();
+        anyhow::anyhow!("{}; last agent error: {last}", e.to_string().lines().next().unwrap_or(""))
+    })?;
+    let maps = Maps::open_pinned(&root)?;
+    let syncs_before = agent_syncs(&agent.logs()).len();
+    let mut took = Vec::with_capacity(count);
+    for k in 0..count {
+        let svc = new_service(k);
+        let key = frontend_of(&svc);
+        let (service, slice) = services::api_objects(&svc);
+        let start = Instant::now();
+        api.apply("services", service);
+        api.apply("endpointslices", slice);
+        loop {
+            if maps.frontends.get(&key, 0).is_ok_and(|e| e.backend_count as usize == svc.endpoints.len()) {
+                took.push(start.elapsed());
+                break;
+            }
+            if start.elapsed() > Duration::from_secs(30) {
+                anyhow::bail!("API change {k} at {scale} services not in the maps after 30s");
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    let syncs: Vec<Duration> = agent_syncs(&agent.logs()).into_iter().skip(syncs_before).collect();
+    let row = change_row(ChangeSource::Api, scale, took, syncs);
+    eprintln!("      API change to map p50 {:?} p99 {:?}; agent sync p50 {:?}", row.p50, row.p99, row.agent_sync_p50);
+    Ok(row)
+}
+
+/// The `k`th Service a change adds: one TCP port, the probe's endpoints.
+fn new_service(k: usize) -> Service {
+    Service {
+        namespace: "bench-change".into(),
+        name: format!("change{k}"),
+        cluster_ip: Ipv4Addr::new(10, 110, (k / 250) as u8, (k % 250) as u8 + 1),
+        endpoints: services::probe_endpoints(),
+        tcp: true,
+        udp: false,
+        node_port: false,
+    }
+}
+
+fn frontend_of(svc: &Service) -> FrontendKey {
+    FrontendKey {
+        addr: Addr::from_v4_octets(svc.cluster_ip.octets()),
+        port: services::TCP_PORT.to_be(),
+        proto: IPPROTO_TCP,
+        scope: SCOPE_INTERNAL,
+    }
+}
+
+/// Percentiles of the measured latencies and of the agent's own sync times.
+fn change_row(source: ChangeSource, scale: usize, mut took: Vec<Duration>, mut syncs: Vec<Duration>) -> ChangeRow {
+    syncs.sort();
+    took.sort();
+    let pick = |v: &[Duration], q: f64| v.get(((v.len().max(1) - 1) as f64 * q).round() as usize).copied();
+    ChangeRow {
+        source,
+        services: scale,
+        samples: took.len(),
+        p50: pick(&took, 0.5).unwrap_or_default(),
+        p99: pick(&took, 0.99).unwrap_or_default(),
+        max: took.last().copied().unwrap_or_default(),
+        agent_sync_p50: pick(&syncs, 0.5),
+        agent_sync_p99: pick(&syncs, 0.99),
+    }
 }
 
 /// Adds `count` Services one by one and times each from the rename of its
@@ -164,22 +285,8 @@ fn changes_to_map(agent: &Agent, dir: &Path, root: &Path, scale: usize, count: u
     let syncs_before = agent_syncs(&agent.logs()).len();
     let mut took = Vec::with_capacity(count);
     for k in 0..count {
-        let ip = Ipv4Addr::new(10, 110, (k / 250) as u8, (k % 250) as u8 + 1);
-        let svc = Service {
-            namespace: "bench-change".into(),
-            name: format!("change{k}"),
-            cluster_ip: ip,
-            endpoints: services::probe_endpoints(),
-            tcp: true,
-            udp: false,
-            node_port: false,
-        };
-        let key = FrontendKey {
-            addr: Addr::from_v4_octets(ip.octets()),
-            port: services::TCP_PORT.to_be(),
-            proto: IPPROTO_TCP,
-            scope: SCOPE_INTERNAL,
-        };
+        let svc = new_service(k);
+        let key = frontend_of(&svc);
         // Written aside and renamed in, so the watcher never reads half a file.
         let tmp = dir.join(format!(".change{k}.tmp"));
         std::fs::write(&tmp, services::manifest(&svc))?;
@@ -198,19 +305,8 @@ fn changes_to_map(agent: &Agent, dir: &Path, root: &Path, scale: usize, count: u
         // Apart from the next, so each change is its own sync.
         std::thread::sleep(Duration::from_millis(150));
     }
-    let mut syncs: Vec<Duration> = agent_syncs(&agent.logs()).into_iter().skip(syncs_before).collect();
-    syncs.sort();
-    took.sort();
-    let pick = |v: &[Duration], q: f64| v.get(((v.len().max(1) - 1) as f64 * q).round() as usize).copied();
-    let row = ChangeRow {
-        services: scale,
-        samples: took.len(),
-        p50: pick(&took, 0.5).unwrap(),
-        p99: pick(&took, 0.99).unwrap(),
-        max: *took.last().unwrap(),
-        agent_sync_p50: pick(&syncs, 0.5),
-        agent_sync_p99: pick(&syncs, 0.99),
-    };
+    let syncs: Vec<Duration> = agent_syncs(&agent.logs()).into_iter().skip(syncs_before).collect();
+    let row = change_row(ChangeSource::Manifests, scale, took, syncs);
     eprintln!("      change to map p50 {:?} p99 {:?}; agent sync p50 {:?}", row.p50, row.p99, row.agent_sync_p50);
     Ok(row)
 }

@@ -1,0 +1,468 @@
+//! The desired state kept up to date as snapshots arrive: only the Services
+//! whose objects changed (a Service, or one of its EndpointSlices, is a new
+//! object: sources share unchanged objects between snapshots) are rebuilt,
+//! and the update says which map keys it touched, so the reconciler looks
+//! at those alone. `model::build` is the reference it must always equal.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    net::IpAddr,
+    sync::Arc,
+};
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use proxy_common::FrontendKey;
+
+use crate::{
+    model::{self, BackendSetKey, BackendTuple, DesiredState, ModelConfig, ObjectError, ServiceKey},
+    source::Snapshot,
+    topology,
+};
+
+/// The map keys an update may have changed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Touched {
+    /// Backend sets (their slots, names and source ranges).
+    pub sets: BTreeSet<BackendSetKey>,
+    pub frontends: BTreeSet<FrontendKey>,
+    /// ClusterIPs (their reject-unserved-ports markers).
+    pub cluster_ips: BTreeSet<IpAddr>,
+    pub backends: BTreeSet<BackendTuple>,
+}
+
+impl Touched {
+    pub fn is_empty(&self) -> bool {
+        self.sets.is_empty() && self.frontends.is_empty() && self.cluster_ips.is_empty() && self.backends.is_empty()
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Update {
+    /// Everything was rebuilt (first update, or the node or the config changed).
+    Everything,
+    Touched(Touched),
+}
+
+/// What one Service's objects gave.
+struct Part {
+    state: DesiredState,
+    errors: Vec<ObjectError>,
+}
+
+/// How many backend sets hold a backend, per flag bit: the union of its
+/// flags is the bits still counted.
+#[derive(Default)]
+struct FlagCounts {
+    sets: u32,
+    bits: [u32; 8],
+}
+
+impl FlagCounts {
+    fn union(&self) -> u8 {
+        (0..8).filter(|b| self.bits[*b] > 0).fold(0, |acc, b| acc | (1 << b))
+    }
+}
+
+/// An object of the last snapshot, held so its address (its identity
+/// here) cannot be reused by another object while it is remembered.
+enum Held {
+    Service(#[allow(dead_code)] Arc<Service>),
+    Slice(#[allow(dead_code)] Arc<EndpointSlice>),
+}
+
+struct Seen {
+    /// The Service (index into `keys`) the object belongs to.
+    key: u32,
+    generation: u64,
+    _object: Held,
+}
+
+/// Slices without the service-name label share this key.
+const UNLABELLED: u32 = 0;
+
+#[derive(Default)]
+pub struct Model {
+    config: Option<(ModelConfig, String)>,
+    /// Every object of the last snapshot, by address.
+    seen: HashMap<usize, Seen>,
+    generation: u64,
+    /// Service keys as `namespace\0name` (sorts as (namespace, name) does),
+    /// interned; index 0 is UNLABELLED.
+    keys: Vec<String>,
+    key_ids: HashMap<String, u32>,
+    parts: BTreeMap<String, Part>,
+    /// What in a key's objects as a whole was skipped (duplicate Services,
+    /// slices without a Service or label).
+    key_errors: BTreeMap<u32, Vec<ObjectError>>,
+    desired: DesiredState,
+    /// How many Services claim each frontend and ClusterIP.
+    frontend_claims: HashMap<FrontendKey, u32>,
+    cluster_ip_claims: HashMap<IpAddr, u32>,
+    backend_claims: HashMap<BackendTuple, FlagCounts>,
+}
+
+fn joined(key: ServiceKey) -> String {
+    format!("{}\0{}", key.0, key.1)
+}
+
+impl Model {
+    pub fn desired(&self) -> &DesiredState {
+        &self.desired
+    }
+
+    /// What was skipped (the same as `model::build` reports, not in its order).
+    pub fn errors(&self) -> Vec<ObjectError> {
+        let parts = self.parts.values().flat_map(|p| p.errors.iter());
+        self.key_errors.values().flatten().chain(parts).cloned().collect()
+    }
+
+    fn key_id(&mut self, key: ServiceKey) -> u32 {
+        let joined = joined(key);
+        if let Some(id) = self.key_ids.get(&joined) {
+            return *id;
+        }
+        let id = self.keys.len() as u32;
+        self.keys.push(joined.clone());
+        self.key_ids.insert(joined, id);
+        id
+    }
+
+    /// Brings the state up to `snapshot`. Objects are told apart by address:
+    /// one not seen before, or seen before and now gone, marks its Service
+    /// as touched, and only touched Services are rebuilt. The cost is a hash
+    /// lookup per object, plus the work of what changed.
+    pub fn update(&mut self, snapshot: &Snapshot, config: &ModelConfig) -> Update {
+        let zone = topology::node_zone(snapshot.node.as_ref());
+        let everything = self.config.as_ref().is_none_or(|(c, z)| c != config || z != zone);
+        if everything {
+            *self = Model { config: Some((config.clone(), zone.to_string())), ..Default::default() };
+            self.keys.push("\0unlabelled".into());
+        }
+        self.generation += 1;
+        let generation = self.generation;
+        let mut keys: BTreeSet<u32> = BTreeSet::new();
+        for svc in &snapshot.services {
+            match self.seen.get_mut(&(Arc::as_ptr(svc) as usize)) {
+                Some(seen) => seen.generation = generation,
+                None => {
+                    let key = self.key_id(model::service_key(svc));
+                    keys.insert(key);
+                    let seen = Seen { key, generation, _object: Held::Service(Arc::clone(svc)) };
+                    self.seen.insert(Arc::as_ptr(svc) as usize, seen);
+                }
+            }
+        }
+        for slice in &snapshot.slices {
+            match self.seen.get_mut(&(Arc::as_ptr(slice) as usize)) {
+                Some(seen) => seen.generation = generation,
+                None => {
+                    let key = model::slice_owner(slice).map_or(UNLABELLED, |k| self.key_id(k));
+                    keys.insert(key);
+                    let seen = Seen { key, generation, _object: Held::Slice(Arc::clone(slice)) };
+                    self.seen.insert(Arc::as_ptr(slice) as usize, seen);
+                }
+            }
+        }
+        self.seen.retain(|_, seen| {
+            let live = seen.generation == generation;
+            if !live {
+                keys.insert(seen.key);
+            }
+            live
+        });
+
+        let mut touched = Touched::default();
+        if keys.is_empty() {
+            return if everything { Update::Everything } else { Update::Touched(touched) };
+        }
+        // The touched keys' objects, in snapshot order.
+        let mut services: HashMap<u32, Vec<&Arc<Service>>> = HashMap::new();
+        let mut slices: HashMap<u32, Vec<&Arc<EndpointSlice>>> = HashMap::new();
+        for svc in &snapshot.services {
+            let key = self.seen[&(Arc::as_ptr(svc) as usize)].key;
+            if keys.contains(&key) {
+                services.entry(key).or_default().push(svc);
+            }
+        }
+        for slice in &snapshot.slices {
+            let key = self.seen[&(Arc::as_ptr(slice) as usize)].key;
+            if keys.contains(&key) {
+                slices.entry(key).or_default().push(slice);
+            }
+        }
+        for key in keys {
+            let svcs = services.remove(&key).unwrap_or_default();
+            let its_slices = slices.remove(&key).unwrap_or_default();
+            let joined = self.keys[key as usize].clone();
+            let service_key = joined.split_once('\0').unwrap_or(("", ""));
+            let mut errors = Vec::new();
+            if key == UNLABELLED {
+                errors.extend(its_slices.iter().map(|s| model::unlabelled_slice(s)));
+            } else if svcs.is_empty() {
+                errors.extend(its_slices.iter().map(|s| model::orphan_slice(service_key, s)));
+            } else {
+                errors.extend((1..svcs.len()).map(|_| model::duplicate_service(service_key)));
+            }
+            if let Some(old) = self.parts.remove(&joined) {
+                self.retract(&old, &mut touched);
+            }
+            if let Some(svc) = svcs.last() {
+                let (state, part_errors) = model::build_part(service_key, svc, &its_slices, config, zone);
+                let part = Part { state, errors: part_errors };
+                self.assert(service_key, &part, &mut touched);
+                self.parts.insert(joined, part);
+            }
+            if errors.is_empty() {
+                self.key_errors.remove(&key);
+            } else {
+                self.key_errors.insert(key, errors);
+            }
+        }
+        if everything { Update::Everything } else { Update::Touched(touched) }
+    }
+
+    /// Adds a Service's share. A frontend another Service holds goes to the
+    /// first of the two by (namespace, name), as in `model::build`.
+    fn assert(&mut self, key: ServiceKey, part: &Part, touched: &mut Touched) {
+        let d = &mut self.desired;
+        for (set, backends) in &part.state.backend_sets {
+            d.backend_sets.insert(set.clone(), backends.clone());
+            touched.sets.insert(set.clone());
+            for b in backends {
+                let t = (b.addr, b.port, b.proto);
+                let counts = self.backend_claims.entry(t).or_default();
+                counts.sets += 1;
+                for bit in 0..8 {
+                    if b.flags & (1 << bit) != 0 {
+                        counts.bits[bit] += 1;
+                    }
+                }
+                d.backends.insert(t, counts.union());
+                touched.backends.insert(t);
+            }
+        }
+        for (set, nets) in &part.state.source_ranges {
+            d.source_ranges.insert(set.clone(), nets.clone());
+            touched.sets.insert(set.clone());
+        }
+        for ip in &part.state.cluster_ips {
+            *self.cluster_ip_claims.entry(*ip).or_default() += 1;
+            d.cluster_ips.insert(*ip);
+            touched.cluster_ips.insert(*ip);
+        }
+        for (fk, fe) in &part.state.frontends {
+            *self.frontend_claims.entry(*fk).or_default() += 1;
+            let ours = match d.frontends.get(fk) {
+                None => true,
+                Some(held) => (held.set.service.namespace.as_str(), held.set.service.name.as_str()) > key,
+            };
+            if ours {
+                d.frontends.insert(*fk, fe.clone());
+            }
+            touched.frontends.insert(*fk);
+        }
+    }
+
+    /// Takes a Service's share away; it must no longer be in `parts`.
+    fn retract(&mut self, part: &Part, touched: &mut Touched) {
+        let d = &mut self.desired;
+        for (set, backends) in &part.state.backend_sets {
+            d.backend_sets.remove(set);
+            touched.sets.insert(set.clone());
+            for b in backends {
+                let t = (b.addr, b.port, b.proto);
+                let counts = self.backend_claims.get_mut(&t).expect("claimed when asserted");
+                counts.sets -= 1;
+                for bit in 0..8 {
+                    if b.flags & (1 << bit) != 0 {
+                        counts.bits[bit] -= 1;
+                    }
+                }
+                if counts.sets == 0 {
+                    self.backend_claims.remove(&t);
+                    d.backends.remove(&t);
+                } else {
+                    d.backends.insert(t, counts.union());
+                }
+                touched.backends.insert(t);
+            }
+        }
+        for set in part.state.source_ranges.keys() {
+            d.source_ranges.remove(set);
+            touched.sets.insert(set.clone());
+        }
+        for ip in &part.state.cluster_ips {
+            let n = self.cluster_ip_claims.get_mut(ip).expect("claimed when asserted");
+            *n -= 1;
+            if *n == 0 {
+                self.cluster_ip_claims.remove(ip);
+                d.cluster_ips.remove(ip);
+            }
+            touched.cluster_ips.insert(*ip);
+        }
+        for fk in part.state.frontends.keys() {
+            touched.frontends.insert(*fk);
+            let n = self.frontend_claims.get_mut(fk).expect("claimed when asserted");
+            *n -= 1;
+            if *n == 0 {
+                self.frontend_claims.remove(fk);
+                d.frontends.remove(fk);
+                continue;
+            }
+            let held = &d.frontends[fk].set.service;
+            let ours = part.state.frontends[fk].set.service.namespace == held.namespace
+                && part.state.frontends[fk].set.service.name == held.name;
+            if ours {
+                // Contested (rare): the next claimant in (namespace, name) order takes it.
+                let next = self.parts.values().find_map(|p| p.state.frontends.get(fk)).expect("another claim");
+                d.frontends.insert(*fk, next.clone());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        manifest,
+        reconciler::{Contents, Reconciler},
+    };
+
+    /// Services svc0..svcN in two namespaces with overlapping ExternalIPs
+    /// (contested frontends), shared endpoints, source ranges, local
+    /// policies and slices without a Service: what a random step changes.
+    fn service(i: usize, variant: usize) -> String {
+        let ns = if i % 2 == 0 { "a" } else { "b" };
+        let ext = ["", "externalIPs: [192.168.9.1]", "externalIPs: [192.168.9.1, 192.168.9.2]"][variant % 3];
+        let policy = ["Cluster", "Local"][variant % 2];
+        let ranges = if variant % 4 == 3 { "loadBalancerSourceRanges: [10.1.0.0/16]" } else { "" };
+        let ty = if variant % 4 == 3 { "LoadBalancer" } else { "ClusterIP" };
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: svc{i}, namespace: {ns}}}\nspec:\n  type: {ty}\n  \
+             clusterIP: 10.96.0.{}\n  externalTrafficPolicy: {policy}\n  {ext}\n  {ranges}\n  ports: [{{name: p, port: {}, nodePort: {}}}]\n\
+             status: {{loadBalancer: {{ingress: [{{ip: 1.1.1.{i}}}]}}}}\n",
+            i % 5 + 1,
+            80 + variant % 2,
+            30000 + i
+        )
+    }
+
+    fn slice(i: usize, variant: usize) -> String {
+        let ns = if i % 2 == 0 { "a" } else { "b" };
+        let eps: String = (0..variant % 4)
+            .map(|e| {
+                let ready = (variant + e) % 3 != 0;
+                let node = if e % 2 == 0 { "node-a" } else { "node-b" };
+                format!("- {{addresses: [10.244.0.{}], nodeName: {node}, conditions: {{ready: {ready}, serving: true, terminating: {}}}}}\n", (i + e) % 6 + 1, !ready)
+            })
+            .collect();
+        format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: svc{i}-s, namespace: {ns}, labels: {{kubernetes.io/service-name: svc{i}}}}}\n\
+             addressType: IPv4\nports: [{{name: p, port: 8080}}]\nendpoints:\n{eps}"
+        )
+    }
+
+    fn parse(yaml: &str) -> manifest::Object {
+        manifest::parse(std::path::Path::new("t.yaml"), yaml).unwrap().remove(0)
+    }
+
+    /// Random changes (add, change, remove Services and slices, node
+    /// addresses) applied one by one: after each, the incremental state
+    /// equals a full build, everything that differs from the state before
+    /// is in the touched keys, and maps written with only the touched keys
+    /// hold exactly what a full sync writes (IDs included).
+    #[test]
+    fn random_changes_match_a_full_build() {
+        let mut rng: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move |n: usize| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % n as u64) as usize
+        };
+        const N: usize = 12;
+        // Slot N + i: a second definition of Service i, or a slice of i without its label.
+        let mut services: Vec<Option<Arc<Service>>> = vec![None; 2 * N];
+        let mut slices: Vec<Option<Arc<EndpointSlice>>> = vec![None; 2 * N];
+        let mut config = ModelConfig { node_name: "node-a".into(), node_addresses: vec!["192.168.0.2".parse().unwrap()], ..Default::default() };
+        let mut model = Model::default();
+        let mut before = DesiredState::default();
+        let (mut touched_maps, mut full_maps) = (Contents::default(), Contents::default());
+        let (mut by_touched, mut by_full) = (Reconciler::adopt(Contents::default()), Reconciler::adopt(Contents::default()));
+        for step in 0..600 {
+            let i = next(N);
+            match next(9) {
+                0 => services[i + N * next(2)] = None,
+                1 => slices[i + N * next(2)] = None,
+                7 => match parse(&service(i, next(8))) {
+                    manifest::Object::Service(s) => services[i + N] = Some(s),
+                    _ => unreachable!(),
+                },
+                8 => match parse(&slice(i, next(8)).replace("labels: {kubernetes.io/service-name: svc", "labels: {x: svc")) {
+                    manifest::Object::EndpointSlice(s) => slices[i + N] = Some(s),
+                    _ => unreachable!(),
+                },
+                2 | 3 => match parse(&service(i, next(8))) {
+                    manifest::Object::Service(s) => services[i] = Some(s),
+                    _ => unreachable!(),
+                },
+                4 | 5 => match parse(&slice(i, next(8))) {
+                    manifest::Object::EndpointSlice(s) => slices[i] = Some(s),
+                    _ => unreachable!(),
+                },
+                _ => config.detect_local = !config.detect_local,
+            }
+            let snap = Snapshot {
+                services: services.iter().flatten().cloned().collect(),
+                slices: slices.iter().flatten().cloned().collect(),
+                node: None,
+            };
+            let update = model.update(&snap, &config);
+            let (want, want_errors) = model::build(&snap, &config);
+            assert_eq!(model.desired(), &want, "step {step}");
+            let sorted = |mut v: Vec<ObjectError>| {
+                v.sort_by(|a, b| (&a.object, &a.reason).cmp(&(&b.object, &b.reason)));
+                v
+            };
+            assert_eq!(sorted(model.errors()), sorted(want_errors), "step {step}");
+            by_full.sync(&want, &mut full_maps).unwrap();
+            match &update {
+                Update::Touched(t) => by_touched.sync_touched(model.desired(), t, &mut touched_maps).unwrap(),
+                Update::Everything => by_touched.sync(model.desired(), &mut touched_maps).unwrap(),
+            };
+            assert_eq!(touched_maps, full_maps, "step {step}");
+            if let Update::Touched(t) = update {
+                for k in want.frontends.keys().chain(before.frontends.keys()) {
+                    let changed = want.frontends.get(k) != before.frontends.get(k);
+                    assert!(!changed || t.frontends.contains(k), "step {step}: frontend {k:?} changed, not touched");
+                }
+                for k in want.backend_sets.keys().chain(before.backend_sets.keys()) {
+                    let changed = want.backend_sets.get(k) != before.backend_sets.get(k)
+                        || want.source_ranges.get(k) != before.source_ranges.get(k);
+                    assert!(!changed || t.sets.contains(k), "step {step}: set {k:?} changed, not touched");
+                }
+                for k in want.backends.keys().chain(before.backends.keys()) {
+                    assert!(want.backends.get(k) == before.backends.get(k) || t.backends.contains(k), "step {step}: backend {k:?}");
+                }
+                for k in want.cluster_ips.symmetric_difference(&before.cluster_ips) {
+                    assert!(t.cluster_ips.contains(k), "step {step}: cluster IP {k}");
+                }
+            }
+            before = want;
+        }
+    }
+
+    #[test]
+    fn an_unchanged_snapshot_touches_nothing() {
+        let svc = match parse(&service(1, 1)) {
+            manifest::Object::Service(s) => s,
+            _ => unreachable!(),
+        };
+        let snap = Snapshot { services: vec![svc], ..Default::default() };
+        let config = ModelConfig::default();
+        let mut model = Model::default();
+        assert_eq!(model.update(&snap, &config), Update::Everything);
+        assert_eq!(model.update(&snap.clone(), &config), Update::Touched(Touched::default()));
+    }
+}
