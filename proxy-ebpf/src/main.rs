@@ -22,6 +22,7 @@ mod parse;
 mod parse6;
 #[cfg(target_arch = "bpf")]
 mod reject;
+mod reject6;
 #[cfg(target_arch = "bpf")]
 mod sctp;
 #[cfg(target_arch = "bpf")]
@@ -48,7 +49,7 @@ mod program {
         conntrack,
         lb::{self, Miss},
         maps::{IPV6_PROGRAMS, count},
-        masquerade, nat, nat6, parse, parse6, reject, skb, sock, trace,
+        masquerade, nat, nat6, parse, parse6, reject, reject6, skb, sock, trace,
     };
 
     /// Leaves the packet to whatever runs next (TCX_NEXT / TC_ACT_UNSPEC).
@@ -150,7 +151,7 @@ mod program {
                 note::<TRACE>(Counter::Passed);
                 return NOT_OURS;
             }
-            Err(Miss::Reject) => return reject_packet::<TRACE>(ctx, &pkt),
+            Err(Miss::Reject) => return reject_packet::<TRACE, V6>(ctx, &pkt),
             Err(Miss::DropUnallocated) => {
                 note::<TRACE>(Counter::DropUnallocated);
                 return DROP;
@@ -168,7 +169,7 @@ mod program {
                 return DROP;
             }
             note::<TRACE>(Counter::NoBackend);
-            return reject_packet::<TRACE>(ctx, &pkt);
+            return reject_packet::<TRACE, V6>(ctx, &pkt);
         };
         if sticky {
             note::<TRACE>(Counter::AffinityHit);
@@ -309,8 +310,9 @@ mod program {
     }
 
     #[inline(always)]
-    fn reject_packet<const TRACE: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
-        match reject::reject(ctx, pkt) {
+    fn reject_packet<const TRACE: bool, const V6: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
+        let rejected = if V6 { reject6::reject(ctx, pkt) } else { reject::reject(ctx, pkt) };
+        match rejected {
             Ok(redirect) => {
                 note::<TRACE>(Counter::Rejected);
                 redirect

@@ -55,6 +55,10 @@ pub static AFFINITY: LruHashMap<AffinityKey, AffinityEntry> = LruHashMap::pinned
 #[map]
 pub static SCRATCH: PerCpuArray<[u8; crate::reject::OUT_LEN]> = PerCpuArray::with_max_entries(1, 0);
 
+/// The same for IPv6 rejects, whose frames are larger.
+#[map]
+pub static SCRATCH6: PerCpuArray<[u8; crate::reject6::OUT_LEN]> = PerCpuArray::with_max_entries(1, 0);
+
 /// Node sockets translated at connect()/sendmsg() -> the frontend dialled.
 #[map]
 pub static SOCK_REVNAT: LruHashMap<SockRevKey, FrontendKey> = LruHashMap::pinned(MAX_SOCK_REVNAT, 0);

@@ -142,7 +142,7 @@ fn icmp_unreachable(ctx: &TcContext, buf: &mut [u8; OUT_LEN], orig_ip: &[u8; IPV
 
 /// One's complement sum of 16-bit words, unfolded.
 #[inline(always)]
-fn sum(bytes: &[u8], init: u32) -> u32 {
+pub fn sum(bytes: &[u8], init: u32) -> u32 {
     let mut s = init;
     let mut i = 0;
     while i + 1 < bytes.len() {
@@ -153,7 +153,7 @@ fn sum(bytes: &[u8], init: u32) -> u32 {
 }
 
 #[inline(always)]
-fn fold(mut s: u32) -> u16 {
+pub fn fold(mut s: u32) -> u16 {
     while s > 0xffff {
         s = (s & 0xffff) + (s >> 16);
     }

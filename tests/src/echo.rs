@@ -119,7 +119,7 @@ pub fn tcp_request(ns: &Netns, to: SocketAddr) -> Result<Reply> {
 /// a DROP (timeout) and a REJECT (refused) can be told apart.
 pub fn tcp_request_from(ns: &Netns, from: Option<std::net::IpAddr>, to: SocketAddr, timeout: Duration) -> std::io::Result<Reply> {
     ns.run(move || -> std::io::Result<Reply> {
-        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        let socket = socket2::Socket::new(socket2::Domain::for_address(to), socket2::Type::STREAM, None)?;
         if let Some(ip) = from {
             socket.bind(&SocketAddr::new(ip, 0).into())?;
         }
@@ -138,7 +138,7 @@ pub fn tcp_request_from(ns: &Netns, from: Option<std::net::IpAddr>, to: SocketAd
 /// unreachable) shows as ECONNREFUSED on the receive.
 pub fn udp_request_connected(ns: &Netns, to: SocketAddr, timeout: Duration) -> std::io::Result<Reply> {
     ns.run(move || -> std::io::Result<Reply> {
-        let s = UdpSocket::bind(("0.0.0.0", 0))?;
+        let s = UdpSocket::bind(unspecified(to))?;
         s.connect(to)?;
         s.set_read_timeout(Some(timeout))?;
         s.send(b"hello\n")?;
@@ -159,4 +159,10 @@ pub fn udp_request(ns: &Netns, to: SocketAddr) -> Result<Reply> {
         let (n, from) = s.recv_from(&mut buf).with_context(|| format!("udp answer from {to}"))?;
         parse_reply(&String::from_utf8_lossy(&buf[..n]), from)
     })?
+}
+
+/// Any address of `to`'s family, any port: where a client socket binds.
+fn unspecified(to: SocketAddr) -> SocketAddr {
+    let any: std::net::IpAddr = if to.is_ipv4() { [0u8; 4].into() } else { [0u16; 8].into() };
+    SocketAddr::new(any, 0)
 }

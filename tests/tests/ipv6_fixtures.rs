@@ -9,10 +9,13 @@
 
 use std::net::Ipv6Addr;
 
-use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TcpHeader, TransportHeader};
+use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TcpHeader, TransportHeader, icmpv6::DestUnreachableCode, Icmpv6Type};
 use proxy_common::*;
 use proxy_tests::fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_SHOT, run_table};
 use proxy_user::{maps::Maps, reconciler::MapWriter};
+
+/// bpf_redirect(): a REJECT goes back out the interface it came in on.
+const TC_ACT_REDIRECT: u32 = 7;
 
 const CLIENT: &str = "fd00:10:244::2";
 /// The backend shares the client's /64 and the VIP's first words differ.
@@ -149,13 +152,20 @@ fn translation_cases() -> Vec<Case> {
             tcp_data(backend_http, (CLIENT, 40999), b"stray"),
             Counter::Passed,
         ),
-        // ICMPv6 / RST for REJECT is not built yet: dropped and counted.
+        // REJECT: a RST for TCP, ICMPv6 port unreachable for UDP.
         Case::new(
-            "TCP SYN -> [fd00:10:96::30]:80, no backend: REJECT not built for IPv6, dropped",
+            "TCP SYN -> [fd00:10:96::30]:80, no backend: rejected (RST)",
             tcp_syn(client, (VIP_EMPTY, 80)),
-            TC_ACT_SHOT,
-            Expect::Unchanged,
-            &[Counter::NoBackend, Counter::RejectFailed],
+            TC_ACT_REDIRECT,
+            Expect::Translated(reject_of(&tcp_syn(client, (VIP_EMPTY, 80)))),
+            &[Counter::NoBackend, Counter::Rejected],
+        ),
+        Case::new(
+            "UDP -> [fd00:10:96::30]:53, no backend: rejected (ICMPv6 port unreachable)",
+            udp(client, (VIP_EMPTY, 53), b"query"),
+            TC_ACT_REDIRECT,
+            Expect::Translated(reject_of(&udp(client, (VIP_EMPTY, 53), b"query"))),
+            &[Counter::NoBackend, Counter::Rejected],
         ),
     ]
 }
@@ -338,6 +348,7 @@ fn install_services(m: &mut Maps) -> anyhow::Result<()> {
         (VIP, 53, IPPROTO_UDP, UDP_SERVICE_ID, 1, "default/web6:dns"),
         (VIP_FAR, 80, IPPROTO_TCP, FAR_SERVICE_ID, 1, "default/far6:http"),
         (VIP_EMPTY, 80, IPPROTO_TCP, EMPTY_SERVICE_ID, 0, "default/empty6:http"),
+        (VIP_EMPTY, 53, IPPROTO_UDP, EMPTY_SERVICE_ID, 0, "default/empty6:dns"),
     ];
     for (a, port, proto, service_id, backend_count, name) in services {
         let key = FrontendKey { addr: addr(a), port: u16::to_be(port), proto, scope: SCOPE_INTERNAL };
@@ -359,7 +370,12 @@ fn recheck_checksums(out: &[u8], _want: &[u8]) -> Result<(), String> {
     let (name, got, sum) = match &h.transport {
         Some(TransportHeader::Tcp(tcp)) => ("TCP", tcp.checksum, tcp.calc_checksum_ipv6(ip, payload).map_err(|e| e.to_string())?),
         Some(TransportHeader::Udp(udp)) => ("UDP", udp.checksum, udp.calc_checksum_ipv6(ip, payload).map_err(|e| e.to_string())?),
-        _ => return Err("output has no TCP/UDP header".into()),
+        Some(TransportHeader::Icmpv6(icmp)) => (
+            "ICMPv6",
+            icmp.checksum,
+            icmp.icmp_type.calc_checksum(ip.source, ip.destination, payload).map_err(|e| e.to_string())?,
+        ),
+        _ => return Err("output has no TCP/UDP/ICMPv6 header".into()),
     };
     if got != sum {
         return Err(format!("{name} checksum {got:#06x}, recomputed {sum:#06x}"));
@@ -384,6 +400,28 @@ fn field(off: usize) -> &'static str {
 }
 
 // ---------------------------------------------------------------- frames
+
+/// The REJECT of a frame, from the dialled address back to the sender: a
+/// RST (seq 0, acknowledging the SYN) for TCP, else ICMPv6 port
+/// unreachable quoting the IPv6 header and the 8 bytes after it.
+fn reject_of(frame: &[u8]) -> Vec<u8> {
+    let h = PacketHeaders::from_ethernet_slice(frame).unwrap();
+    let Some(NetHeaders::Ipv6(ip, _)) = h.net else { panic!("IPv6 only") };
+    let back = PacketBuilder::ethernet2(MAC_DST, MAC_SRC).ipv6(ip.destination, ip.source, 64);
+    match h.transport {
+        Some(TransportHeader::Tcp(syn)) => {
+            let mut rst = TcpHeader::new(syn.destination_port, syn.source_port, 0, 0);
+            rst.rst = true;
+            rst.ack = true;
+            rst.acknowledgment_number = syn.sequence_number.wrapping_add(1);
+            build(|v| back.tcp_header(rst).write(v, &[]).unwrap())
+        }
+        _ => {
+            let quote = &frame[ETH_HLEN..ETH_HLEN + IPV6_HLEN + 8];
+            build(|v| back.icmpv6(Icmpv6Type::DestinationUnreachable(DestUnreachableCode::Port)).write(v, quote).unwrap())
+        }
+    }
+}
 
 fn build(step: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
     let mut v = Vec::new();

@@ -1,0 +1,149 @@
+//! REJECT for IPv6, as `reject` does it for IPv4: a TCP RST for TCP, an
+//! ICMPv6 port unreachable (RFC 4443: type 1, code 4) for anything else,
+//! built from the packet and sent back out the interface it came in on.
+//!
+//! CHECKSUM_PARTIAL (a packet from a local socket or an offloading pod): the
+//! sender on will sum from the original L4 header (here, the reply's) to the
+//! end and store the result at a fixed offset: 16 for TCP, 6 for UDP. The
+//! RST keeps its checksum field there, holding the pseudo-header seed. For
+//! the ICMPv6 reply, offset 6 is the second half of the unused word, which
+//! receivers ignore: it gets the seed, so completion makes the whole sum
+//! right (ICMPv6, unlike ICMP, covers a pseudo-header).
+
+use aya_ebpf::{
+    EbpfContext,
+    helpers::{bpf_redirect, bpf_skb_load_bytes},
+    programs::TcContext,
+};
+use proxy_common::IPPROTO_TCP;
+
+use crate::{
+    maps::SCRATCH6,
+    parse::Packet,
+    reject::{fold, sum},
+};
+
+const ETH_ALEN: usize = 6;
+const ETH_HLEN: usize = 14;
+const ETH_P_IPV6: u16 = 0x86dd;
+const IPV6_HLEN: usize = 40;
+const TCP_HLEN: usize = 20;
+const ICMP6_HLEN: usize = 8;
+/// The original header and the first 8 bytes of its payload (the ports):
+/// what a receiver needs to find the socket, well within the minimum MTU.
+const QUOTE_LEN: usize = IPV6_HLEN + 8;
+const ICMP6_LEN: usize = ICMP6_HLEN + QUOTE_LEN;
+const RST_LEN: usize = ETH_HLEN + IPV6_HLEN + TCP_HLEN;
+/// The largest frame built here (the ICMPv6 one).
+pub const OUT_LEN: usize = ETH_HLEN + IPV6_HLEN + ICMP6_LEN;
+const L4: usize = ETH_HLEN + IPV6_HLEN;
+const ICMP6_DST_UNREACH: u8 = 1;
+const ICMP6_PORT_UNREACH: u8 = 4;
+const IPPROTO_ICMPV6: u8 = 58;
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+/// Where checksum completion of the original TCP / UDP packet writes.
+const TCP_CSUM_OFF: usize = L4 + 16;
+const UDP_CSUM_OFF: usize = L4 + 6;
+
+/// Rewrites the packet into the reject and redirects it; the caller returns
+/// the redirect verdict. Only a packet without extension headers gets here
+/// (parse6 leaves the others alone). Everything is loaded straight into the
+/// per-CPU scratch frame: the lookup path leaves little of the 512-byte
+/// stack, and an IPv6 header is 40 bytes.
+#[inline(always)]
+pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<i32, i64> {
+    if pkt.l3_off != ETH_HLEN || pkt.l4_off != L4 {
+        return Err(-1);
+    }
+    let buf = unsafe { &mut *SCRATCH6.get_ptr_mut(0).ok_or(-1i64)? };
+    buf.fill(0);
+    // Ethernet back to the sender; IPv6 from the address dialled back to the client.
+    load(ctx, ETH_ALEN, &mut buf[..ETH_ALEN])?;
+    load(ctx, 0, &mut buf[ETH_ALEN..2 * ETH_ALEN])?;
+    buf[12..14].copy_from_slice(&ETH_P_IPV6.to_be_bytes());
+    load(ctx, ETH_HLEN + 24, &mut buf[ETH_HLEN + 8..ETH_HLEN + 24])?;
+    load(ctx, ETH_HLEN + 8, &mut buf[ETH_HLEN + 24..L4])?;
+    let orig_payload: u16 = u16::from_be(ctx.load(ETH_HLEN + 4)?);
+    let tcp = pkt.tuple.proto == IPPROTO_TCP;
+
+    let payload = if tcp { TCP_HLEN } else { ICMP6_LEN };
+    let ip = &mut buf[ETH_HLEN..L4];
+    ip[0] = 0x60;
+    ip[4..6].copy_from_slice(&(payload as u16).to_be_bytes());
+    ip[6] = if tcp { IPPROTO_TCP } else { IPPROTO_ICMPV6 };
+    ip[7] = 64;
+    // Pseudo-header (RFC 8200 8.1): addresses, upper-layer length, next header.
+    let pseudo = sum(&buf[ETH_HLEN + 8..L4], payload as u32 + buf[ETH_HLEN + 6] as u32);
+
+    if tcp {
+        tcp_rst(ctx, buf, orig_payload)?;
+    } else {
+        // The original IPv6 header and the 8 bytes after it.
+        load(ctx, ETH_HLEN, &mut buf[L4 + ICMP6_HLEN..L4 + ICMP6_LEN])?;
+        buf[L4] = ICMP6_DST_UNREACH;
+        buf[L4 + 1] = ICMP6_PORT_UNREACH;
+    }
+    let len = L4 + payload;
+    ctx.change_tail(len as u32, 0)?;
+    // Probe before the final write, on the offset completion would write.
+    let partial = crate::skb::checksum_is_partial(ctx, if tcp { TCP_CSUM_OFF } else { UDP_CSUM_OFF })?;
+    if tcp {
+        let csum = if partial { fold(pseudo) } else { !fold(sum(&buf[L4..L4 + TCP_HLEN], pseudo)) };
+        buf[L4 + 16..L4 + 18].copy_from_slice(&csum.to_be_bytes());
+        let rst: &[u8; RST_LEN] = buf[..RST_LEN].try_into().map_err(|_| -1i64)?;
+        ctx.store(0, rst, 0)?;
+    } else {
+        if partial {
+            buf[UDP_CSUM_OFF..UDP_CSUM_OFF + 2].copy_from_slice(&fold(pseudo).to_be_bytes());
+        } else {
+            let csum = !fold(sum(&buf[L4..L4 + ICMP6_LEN], pseudo));
+            buf[L4 + 2..L4 + 4].copy_from_slice(&csum.to_be_bytes());
+        }
+        ctx.store(0, &*buf, 0)?;
+    }
+    let ifindex = crate::skb::ifindex(ctx);
+    Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
+}
+
+/// RFC 793 reset for a segment that reached no listener: seq from the
+/// segment's ACK if it had one, else 0 with an ACK of everything it carried.
+/// The segment's header is loaded where the reset's goes, then rewritten.
+#[inline(always)]
+fn tcp_rst(ctx: &TcContext, buf: &mut [u8; OUT_LEN], orig_payload: u16) -> Result<(), i64> {
+    let tcp = &mut buf[L4..L4 + TCP_HLEN];
+    load(ctx, L4, tcp)?;
+    let (sport, dport) = ([tcp[0], tcp[1]], [tcp[2], tcp[3]]);
+    let (seq, ack) = ([tcp[4], tcp[5], tcp[6], tcp[7]], [tcp[8], tcp[9], tcp[10], tcp[11]]);
+    let doff = ((tcp[12] >> 4) as u32) * 4;
+    let flags = tcp[13];
+    let mut seg_len = (orig_payload as u32).saturating_sub(doff);
+    if flags & TCP_SYN != 0 {
+        seg_len += 1;
+    }
+    if flags & TCP_FIN != 0 {
+        seg_len += 1;
+    }
+    tcp.fill(0);
+    tcp[0..2].copy_from_slice(&dport);
+    tcp[2..4].copy_from_slice(&sport);
+    if flags & TCP_ACK != 0 {
+        tcp[4..8].copy_from_slice(&ack);
+        tcp[13] = TCP_RST;
+    } else {
+        tcp[8..12].copy_from_slice(&u32::from_be_bytes(seq).wrapping_add(seg_len).to_be_bytes());
+        tcp[13] = TCP_RST | TCP_ACK;
+    }
+    tcp[12] = (TCP_HLEN as u8 / 4) << 4;
+    Ok(())
+}
+
+/// `dst.len()` bytes of the packet from `off`, into `dst` (map memory here):
+/// no copy through the stack. The lengths are constants at every call.
+#[inline(always)]
+fn load(ctx: &TcContext, off: usize, dst: &mut [u8]) -> Result<(), i64> {
+    let ret = unsafe { bpf_skb_load_bytes(ctx.as_ptr(), off as u32, dst.as_mut_ptr() as *mut _, dst.len() as u32) };
+    if ret < 0 { Err(ret) } else { Ok(()) }
+}
