@@ -22,6 +22,7 @@ mod parse;
 mod parse6;
 #[cfg(target_arch = "bpf")]
 mod reject;
+#[cfg(target_arch = "bpf")]
 mod reject6;
 #[cfg(target_arch = "bpf")]
 mod sctp;

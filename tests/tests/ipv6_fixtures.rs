@@ -11,7 +11,7 @@ use std::net::Ipv6Addr;
 
 use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TcpHeader, TransportHeader, icmpv6::DestUnreachableCode, Icmpv6Type};
 use proxy_common::*;
-use proxy_tests::fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_SHOT, run_table};
+use proxy_tests::fixture::{Case, Expect, Fixture, TC_ACT_OK, run_table};
 use proxy_user::{maps::Maps, reconciler::MapWriter};
 
 /// bpf_redirect(): a REJECT goes back out the interface it came in on.
