@@ -17,10 +17,10 @@ use crate::{
 /// Ports tried after the client's own one is taken.
 const PORT_TRIES: u32 = 8;
 
-/// The SNAT port range (host order, inclusive), set by the agent at load to
-/// lie outside the node's ephemeral ports: the node's own sockets (which the
-/// socket hooks send straight to backends) then never take a port a
-/// masqueraded flow holds towards the same backend, nor the reverse.
+/// The range random SNAT ports come from (host order, inclusive), set by the
+/// agent at load to lie outside the node's ephemeral ports, so a port drawn
+/// here is never one a node socket (sent straight to a backend by the socket
+/// hooks) can take later. A kept client port can be: see docs/semantics.md.
 #[unsafe(no_mangle)]
 static SNAT_PORT_MIN: Global<u32> = Global::new(DEFAULT_SNAT_PORTS.0 as u32);
 #[unsafe(no_mangle)]
@@ -42,16 +42,16 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
     let ifindex = crate::skb::ifindex(ctx) | family;
     let addr = unsafe { SNAT_ADDRS.get(&ifindex).or_else(|| SNAT_ADDRS.get(&family)) }.copied()?;
 
-    // Keep the client's port when it is in the range and free (as Linux NAT
-    // keeps it when free), else try random ones; the reply entry's key is the
-    // port table.
+    // Keep the client's port when it is free (as Linux NAT does: under
+    // connection churn each client tuple keeps its own port, so the table
+    // does not run dry), else try random ones from the range; the reply
+    // entry's key is the port table.
     let min = SNAT_PORT_MIN.load();
     // NonZero: a division the verifier can see has no panic path.
     let span = NonZeroU32::new(SNAT_PORT_MAX.load().wrapping_sub(min).wrapping_add(1))?;
-    let client_port = u16::from_be(t.sport) as u32;
     let mut port = t.sport;
     for i in 0..=PORT_TRIES {
-        if i > 0 || client_port.wrapping_sub(min) >= span.get() {
+        if i > 0 {
             port = ((min + unsafe { bpf_get_prandom_u32() } % span) as u16).to_be();
         }
         let snat_key = CtKey { src: t.dst, dst: addr, sport: t.dport, dport: port, proto: t.proto, _pad: [0; 3] };

@@ -34,6 +34,7 @@ const SERVICE_CIDR: &str = "10.96.0.0/16";
 const CLUSTER_CIDR: &str = "10.244.0.0/16";
 const EXTERNAL: [u8; 4] = [203, 0, 113, 2];
 const EXTERNAL_BLOCKED: [u8; 4] = [203, 0, 113, 130];
+const EXTERNAL_2: [u8; 4] = [203, 0, 113, 3];
 /// A LoadBalancer IP reserved to 203.0.113.0/25, served by the TCP backend.
 const LB_IP: [u8; 4] = [1, 2, 3, 4];
 const LB_SOURCE_RANGE: &str = "203.0.113.0/25";
@@ -251,21 +252,21 @@ fn verdict_cases() -> Vec<Case> {
         )
         .at_egress(MASQUERADE_MARK),
         Case::new(
-            "TCP SYN 203.0.113.2:40000 -> 10.96.0.10:80: masqueraded too",
-            tcp_syn((EXTERNAL, 40000), (VIP, 80)),
+            "TCP SYN 203.0.113.3:62000 -> 10.96.0.10:80, another client with the same port: masqueraded too",
+            tcp_syn((EXTERNAL_2, 62000), (VIP, 80)),
             TC_ACT_OK,
-            Expect::Translated(tcp_syn((EXTERNAL, 40000), (BACKEND, 8080))),
+            Expect::Translated(tcp_syn((EXTERNAL_2, 62000), (BACKEND, 8080))),
             &[Counter::NewFlow, Counter::Masqueraded],
         )
         .leaves_mark(MASQUERADE_MARK),
         Case::new(
-            "egress: a client port outside the SNAT range (an ephemeral one) is replaced by one inside it",
-            tcp_syn((EXTERNAL, 40000), (BACKEND, 8080)),
+            "egress: its port is taken towards this backend (by 203.0.113.2's flow): another one from the SNAT range",
+            tcp_syn((EXTERNAL_2, 62000), (BACKEND, 8080)),
             TC_ACT_OK,
             Expect::TranslatedWith(|out| {
                 let port = u16::from_be_bytes([out[ETH_HLEN + 20], out[ETH_HLEN + 21]]);
-                if !(DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1).contains(&port) {
-                    return Err(format!("SNAT source port {port} outside {DEFAULT_SNAT_PORTS:?}"));
+                if port == 62000 || !(DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1).contains(&port) {
+                    return Err(format!("SNAT source port {port}: want a free one in {DEFAULT_SNAT_PORTS:?}, not 62000"));
                 }
                 Ok(tcp_syn((NODE_IP, port), (BACKEND, 8080)))
             }),
