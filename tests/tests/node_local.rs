@@ -92,14 +92,7 @@ fn node_processes_reach_services_through_the_socket_hooks() -> Result<()> {
     agent.wait_healthy(&node.ns, TIMEOUT)?;
 
     for (proto, to, port) in [("tcp", "10.96.0.10:80", 8080), ("udp", "10.96.0.10:53", 5353), ("tcp", "192.168.0.2:30080", 8080)] {
-        let mut answered = BTreeSet::new();
-        for _ in 0..12 {
-            let line = probe(Some(&cg), &node.ns, proto, to).with_context(|| agent.logs())?;
-            // The socket reports the address dialled, not the backend's.
-            assert!(line.starts_with(&format!("peer={to} reply=")), "{proto} {to}: {line}\n{}", agent.logs());
-            let backend = line.split("reply=").nth(1).and_then(|r| r.split_whitespace().next()).unwrap_or_default();
-            answered.insert(backend.to_string());
-        }
+        let answered = backends_answering(&cg, &node.ns, &agent, proto, to)?;
         assert_eq!(answered, BTreeSet::from(["b1".to_string(), "b2".to_string()]), "{proto} {to} (backend port {port})");
     }
     assert_eq!(probe(Some(&cg), &node.ns, "tcp", "10.96.0.12:80")?, "error=ConnectionRefused", "no endpoints: REJECT");
@@ -146,6 +139,19 @@ spec:
   ports: [{name: tcp, port: 80}]
 "#;
 
+/// The backends that answer 12 requests from a process in `cg` to `to`;
+/// each socket must report the address dialled, not the backend's.
+fn backends_answering(cg: &Cgroup, ns: &Netns, agent: &Agent, proto: &str, to: &str) -> Result<BTreeSet<String>> {
+    let mut answered = BTreeSet::new();
+    for _ in 0..12 {
+        let line = probe(Some(cg), ns, proto, to).with_context(|| agent.logs())?;
+        assert!(line.starts_with(&format!("peer={to} reply=")), "{proto} {to}: {line}\n{}", agent.logs());
+        let backend = line.split("reply=").nth(1).and_then(|r| r.split_whitespace().next()).unwrap_or_default();
+        answered.insert(backend.to_string());
+    }
+    Ok(answered)
+}
+
 /// connect6 and sendmsg6 pick a backend, getpeername6 and recvmsg6 show the
 /// ClusterIP back, and a Service without endpoints is refused.
 #[test]
@@ -172,13 +178,7 @@ fn node_processes_reach_ipv6_services_through_the_socket_hooks() -> Result<()> {
     agent.wait_healthy(&node.ns, TIMEOUT)?;
 
     for (proto, to) in [("tcp", "[fd00:96::10]:80"), ("udp", "[fd00:96::10]:53")] {
-        let mut answered = BTreeSet::new();
-        for _ in 0..12 {
-            let line = probe(Some(&cg), &node.ns, proto, to).with_context(|| agent.logs())?;
-            assert!(line.starts_with(&format!("peer={to} reply=")), "{proto} {to}: {line}\n{}", agent.logs());
-            let backend = line.split("reply=").nth(1).and_then(|r| r.split_whitespace().next()).unwrap_or_default();
-            answered.insert(backend.to_string());
-        }
+        let answered = backends_answering(&cg, &node.ns, &agent, proto, to)?;
         assert_eq!(answered, BTreeSet::from(["b1".to_string(), "b2".to_string()]), "{proto} {to}");
     }
     assert_eq!(probe(Some(&cg), &node.ns, "tcp", "[fd00:96::12]:80")?, "error=ConnectionRefused", "no endpoints: REJECT");
