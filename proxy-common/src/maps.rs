@@ -164,9 +164,10 @@ pub const CT_REPLY: u8 = 1;
 /// packet for SNAT at egress. On a REPLY entry keyed by the SNAT address and
 /// port: also send the reply back to `rev_addr:rev_port`, the real client.
 pub const CT_MASQUERADE: u8 = 1 << 0;
-/// A FIN or RST went through this direction: once idle for
-/// `CT_CLOSING_TIMEOUT_NS` the entry counts as gone, so a later flow that
-/// reuses the tuple (or the SNAT port) starts afresh.
+/// A FIN or RST went through this direction (on a masqueraded flow's SNAT
+/// reply entry: through either): once idle for `CT_CLOSING_TIMEOUT_NS` the
+/// entry counts as gone, so a later flow that reuses the tuple starts afresh;
+/// a new TCP connection may take a closing flow's SNAT port at once.
 pub const CT_CLOSING: u8 = 1 << 1;
 pub const CT_CLOSING_TIMEOUT_NS: u64 = 10_000_000_000;
 
@@ -346,6 +347,9 @@ pub enum Counter {
     RejectFailed = 17,
     /// IPv6 packet with extension headers before its L4 header: passed untouched.
     ExtensionHeader = 18,
+    /// Masquerade found no free port outside the node's ephemeral range and
+    /// kept the client's port, which a node socket may also take.
+    SnatPortShared = 19,
 }
 
 /// Slots of the IPv6 program array: which IPv6 program each IPv4 program
@@ -357,11 +361,11 @@ pub const IPV6_PROG_TRACE: u32 = 2;
 pub const IPV6_PROG_MASQUERADE: u32 = 3;
 pub const IPV6_PROG_COUNT: u32 = 4;
 
-pub const COUNTER_NAMES: [&str; 19] = [
+pub const COUNTER_NAMES: [&str; 20] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",
     "fragment", "rebalanced", "rewrite_failed", "rejected", "drop_unallocated",
     "drop_source_range", "drop_no_local", "masqueraded", "snat_failed", "affinity_hit",
-    "reject_failed", "extension_header",
+    "reject_failed", "extension_header", "snat_port_shared",
 ];
 pub const MAX_COUNTERS: u32 = COUNTER_NAMES.len() as u32;
 

@@ -94,9 +94,17 @@ pub fn create(
 /// Claims `snat_key` (backend -> SNAT address:port) for a masqueraded flow's
 /// replies; fails if another flow holds it, so the caller tries another port.
 /// `plain_reply` is the flow's ordinary reply entry (it names the frontend);
-/// `client` is where the replies really go.
+/// `client` is where the replies really go. A new TCP connection (`opens`)
+/// may take the port of a flow that closed, as Linux NAT reuses a TIME_WAIT
+/// tuple: under connection churn the table holds only open connections.
 #[inline(always)]
-pub fn claim_snat_reply(snat_key: &CtKey, plain_reply: &CtEntry, client: &Addr, client_port: u16) -> Result<(), i32> {
+pub fn claim_snat_reply(
+    snat_key: &CtKey,
+    plain_reply: &CtEntry,
+    client: &Addr,
+    client_port: u16,
+    opens: bool,
+) -> Result<(), i32> {
     let now = now();
     let entry = CtEntry {
         rev_addr: *client,
@@ -107,8 +115,17 @@ pub fn claim_snat_reply(snat_key: &CtKey, plain_reply: &CtEntry, client: &Addr, 
         ..*plain_reply
     };
     // The reply entries are the port table: a live one is another flow's.
-    if lookup(snat_key).is_some() {
+    if lookup(snat_key).is_some_and(|held| !(opens && held.flags & CT_CLOSING != 0)) {
         return Err(-1);
     }
     CONNTRACK.insert(snat_key, &entry, BPF_ANY as u64)
+}
+
+/// A masqueraded flow's client sent a FIN or RST: its SNAT port closes too
+/// (replies mark it themselves), so a new connection can take it.
+#[inline(always)]
+pub fn close_snat_reply(snat_key: &CtKey) {
+    if let Some(held) = lookup_mut(snat_key) {
+        touch(held, true);
+    }
 }

@@ -305,8 +305,8 @@ fn verdict_of(index: usize) -> (&'static str, &'static str) {
         {
             "dropped"
         }
-        // NewFlow, Established, Reply, Rebalanced, Masqueraded, SnatFailed, AffinityHit:
-        // the packet was translated (SnatFailed: without masquerade).
+        // NewFlow, Established, Reply, Rebalanced, Masqueraded, SnatFailed, AffinityHit,
+        // SnatPortShared: the packet was translated (SnatFailed: without masquerade).
         _ => "translated",
     };
     (verdict, COUNTER_NAMES[index])

@@ -35,6 +35,7 @@ const CLUSTER_CIDR: &str = "10.244.0.0/16";
 const EXTERNAL: [u8; 4] = [203, 0, 113, 2];
 const EXTERNAL_BLOCKED: [u8; 4] = [203, 0, 113, 130];
 const EXTERNAL_2: [u8; 4] = [203, 0, 113, 3];
+const EXTERNAL_3: [u8; 4] = [203, 0, 113, 4];
 /// A LoadBalancer IP reserved to 203.0.113.0/25, served by the TCP backend.
 const LB_IP: [u8; 4] = [1, 2, 3, 4];
 const LB_SOURCE_RANGE: &str = "203.0.113.0/25";
@@ -273,6 +274,61 @@ fn verdict_cases() -> Vec<Case> {
             &[],
         )
         .at_egress(MASQUERADE_MARK),
+        Case::new(
+            "egress: 203.0.113.2's client closes (FIN): its SNAT port 62000 closes with it",
+            tcp_fin(ext, (BACKEND, 8080)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_fin((NODE_IP, 62000), (BACKEND, 8080))),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK)
+        .then(closed_snat_port_is_closing),
+        Case::new(
+            "TCP SYN 203.0.113.4:62000 -> 10.96.0.10:80, a new connection: masqueraded",
+            tcp_syn((EXTERNAL_3, 62000), (VIP, 80)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((EXTERNAL_3, 62000), (BACKEND, 8080))),
+            &[Counter::NewFlow, Counter::Masqueraded],
+        )
+        .leaves_mark(MASQUERADE_MARK),
+        Case::new(
+            "egress: it takes the closed flow's port 62000 (as Linux NAT reuses a TIME_WAIT tuple)",
+            tcp_syn((EXTERNAL_3, 62000), (BACKEND, 8080)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((NODE_IP, 62000), (BACKEND, 8080))),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK),
+        Case::new(
+            "reply 10.244.0.11:8080 -> 192.168.0.2:62000: now to 203.0.113.4:62000",
+            tcp_data((BACKEND, 8080), (NODE_IP, 62000), b"ok"),
+            TC_ACT_OK,
+            Expect::Translated(tcp_data((BACKEND, 8080), (EXTERNAL_3, 62000), b"ok")),
+            &[Counter::Reply],
+        )
+        .leaves_mark(REVERSE_NAT_MARK),
+        Case::new(
+            "TCP SYN 203.0.113.2:40002 -> 10.96.0.10:80: masqueraded",
+            tcp_syn((EXTERNAL, 40002), (VIP, 80)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((EXTERNAL, 40002), (BACKEND, 8080))),
+            &[Counter::NewFlow, Counter::Masqueraded],
+        )
+        .leaves_mark(MASQUERADE_MARK),
+        Case::new(
+            "egress: a client port in the node's ephemeral range (a node socket may take it) is replaced from the SNAT range",
+            tcp_syn((EXTERNAL, 40002), (BACKEND, 8080)),
+            TC_ACT_OK,
+            Expect::TranslatedWith(|out| {
+                let port = u16::from_be_bytes([out[ETH_HLEN + 20], out[ETH_HLEN + 21]]);
+                if !(DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1).contains(&port) {
+                    return Err(format!("SNAT source port {port}: want one in {DEFAULT_SNAT_PORTS:?}"));
+                }
+                Ok(tcp_syn((NODE_IP, port), (BACKEND, 8080)))
+            }),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK),
         Case::new("egress: an unmarked packet is not ours", tcp_syn(ext, (BACKEND, 8080)), TC_ACT_UNSPEC, Expect::Unchanged, &[])
             .at_egress(0),
         Case::new(
@@ -284,6 +340,49 @@ fn verdict_cases() -> Vec<Case> {
         )
         .leaves_mark(MASQUERADE_MARK),
     ]
+}
+
+/// With every port of the SNAT range held towards the backend, masquerade
+/// keeps the client's port (ephemeral or not) rather than drop the flow, and
+/// counts it: such a flow may share a node socket's replies.
+fn full_snat_range_cases() -> Vec<Case> {
+    vec![
+        Case::new(
+            "TCP SYN 203.0.113.2:40003 -> 10.96.0.10:80: masqueraded",
+            tcp_syn((EXTERNAL, 40003), (VIP, 80)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((EXTERNAL, 40003), (BACKEND, 8080))),
+            &[Counter::NewFlow, Counter::Masqueraded],
+        )
+        .leaves_mark(MASQUERADE_MARK),
+        Case::new(
+            "egress, every SNAT port held: the client's port 40003 kept, counted as shared",
+            tcp_syn((EXTERNAL, 40003), (BACKEND, 8080)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((NODE_IP, 40003), (BACKEND, 8080))),
+            &[Counter::SnatPortShared],
+        )
+        .at_egress(MASQUERADE_MARK),
+    ]
+}
+
+/// Every port of the default SNAT range held by an open masqueraded flow
+/// towards the TCP backend.
+fn hold_every_snat_port(m: &mut Maps) -> anyhow::Result<()> {
+    let held = CtEntry { direction: CT_REPLY, flags: CT_MASQUERADE, ..Default::default() };
+    for port in DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1 {
+        m.conntrack.insert(&ct_key((BACKEND, 8080), (NODE_IP, port), IPPROTO_TCP), &held, 0)?;
+    }
+    Ok(())
+}
+
+fn closed_snat_port_is_closing(maps: &Maps) -> Result<(), String> {
+    let key = ct_key((BACKEND, 8080), (NODE_IP, 62000), IPPROTO_TCP);
+    let e = maps.conntrack.get(&key, 0).map_err(|e| format!("SNAT reply entry {key:?}: {e}"))?;
+    if e.flags & CT_CLOSING == 0 {
+        return Err(format!("SNAT reply entry after the client's FIN has flags {:#x}, want CT_CLOSING", e.flags));
+    }
+    Ok(())
 }
 
 fn masqueraded_reply_is_tracked(maps: &Maps) -> Result<(), String> {
@@ -397,6 +496,14 @@ fn verdict_fixtures() {
     let mut fx = Fixture::new("fixtures-verdict", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
     run_table(&fx, "verdict", verdict_cases(), recheck_checksums, field);
+}
+
+#[test]
+fn full_snat_range_fixtures() {
+    let mut fx = Fixture::new("fixtures-snat-full", install_services).unwrap();
+    install_policy(&mut fx.maps).expect("filling the policy maps");
+    hold_every_snat_port(&mut fx.maps).expect("holding the SNAT ports");
+    run_table(&fx, "full SNAT range", full_snat_range_cases(), recheck_checksums, field);
 }
 
 #[test]
