@@ -367,7 +367,11 @@ pub const COUNTER_NAMES: [&str; 20] = [
     "drop_source_range", "drop_no_local", "masqueraded", "snat_failed", "affinity_hit",
     "reject_failed", "extension_header", "snat_port_shared",
 ];
-pub const MAX_COUNTERS: u32 = COUNTER_NAMES.len() as u32;
+/// Slots of the pinned `COUNTERS` array: room to add counters without
+/// changing the map's layout (which an upgrade could not reuse). At most 32:
+/// a trace reports the counters it noted as bits of a u32.
+pub const MAX_COUNTERS: u32 = 32;
+const _: () = assert!(COUNTER_NAMES.len() as u32 <= MAX_COUNTERS);
 
 #[cfg(feature = "user")]
 mod pod {

@@ -224,7 +224,7 @@ impl Maps {
 
     /// Per-CPU counters summed, indexed like `COUNTER_NAMES`.
     pub fn read_counters(&self) -> Result<Vec<u64>> {
-        (0..MAX_COUNTERS).map(|i| Ok(self.counters.get(&i, 0)?.iter().sum())).collect()
+        (0..COUNTER_NAMES.len() as u32).map(|i| Ok(self.counters.get(&i, 0)?.iter().sum())).collect()
     }
 }
 

@@ -289,7 +289,7 @@ pub fn map_fill(root: &Path) -> Result<Vec<(&'static str, Option<u64>, u64)>> {
 /// Per-CPU counters summed, indexed like `COUNTER_NAMES`.
 fn read_counters(root: &Path) -> Result<Vec<u64>> {
     let map: aya::maps::PerCpuArray<aya::maps::MapData, u64> = open_pinned(root, proxy_common::MAP_COUNTERS)?.try_into()?;
-    (0..proxy_common::MAX_COUNTERS).map(|i| Ok(map.get(&i, 0)?.iter().sum())).collect()
+    (0..COUNTER_NAMES.len() as u32).map(|i| Ok(map.get(&i, 0)?.iter().sum())).collect()
 }
 
 /// A datapath counter as (verdict, reason). Every counter names its reason;

@@ -4,7 +4,8 @@
 //! the agent is killed with SIGKILL and started again, and while it is
 //! replaced by another build of the binary. Each time the TC link on the
 //! interface stays the same kernel object and only its program changes
-//! (an atomic link update, never a detach and re-attach).
+//! (an atomic link update, never a detach and re-attach). An upgrade across
+//! a change of map layout is refused with the way out, pins left alone.
 
 use std::{
     net::{Ipv4Addr, SocketAddr},
@@ -173,5 +174,62 @@ fn flows_survive_sigkill_restart_and_upgrade() -> Result<()> {
         );
         assert!(report.tcp_round_trips >= 5 * STEP, "{what}: {report:?}");
     }
+    Ok(())
+}
+
+/// An upgrade across a change of map layout cannot reuse the pinned maps:
+/// the new agent must refuse at once, naming the map, the two layouts and
+/// the way out, and leave the pins as they were (they still serve the old
+/// build's connections).
+#[test]
+fn a_pinned_map_of_another_layout_is_refused_with_the_way_out() -> Result<()> {
+    use proxy_common::{MAP_CONNTRACK, MAP_SNAT_ADDRS};
+
+    assert!(is_root(), "needs root (bpffs and BPF)");
+    let bpffs = Bpffs::new("layout")?;
+    let root = bpffs.path().join("agent");
+    // This build's pins, then another map under CONNTRACK's name, as an
+    // older build with another conntrack entry would have left it.
+    drop(proxy_user::maps::load(&root)?);
+    std::fs::remove_file(root.join(MAP_CONNTRACK))?;
+    std::fs::rename(root.join(MAP_SNAT_ADDRS), root.join(MAP_CONNTRACK))?;
+
+    let node = Netns::new(&format!("layout-{}", proxy_tests::unique_suffix()))?;
+    let manifests = tempfile::tempdir()?;
+    let mut agent = node
+        .command(agent_bin().to_str().context("agent path is not UTF-8")?)
+        .arg("run")
+        .arg("--manifests")
+        .arg(manifests.path())
+        .arg("--bpffs-root")
+        .arg(&root)
+        .arg("--node-name")
+        .arg("layout")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let status = loop {
+        if let Some(status) = agent.try_wait()? {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = agent.kill();
+            let _ = agent.wait();
+            anyhow::bail!("the agent started on maps of another layout instead of refusing");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut agent.stderr.take().context("agent stderr")?, &mut stderr)?;
+    assert!(!status.success(), "exit status {status}; stderr:\n{stderr}");
+    let expected = [
+        format!("the maps pinned under {} come from an ebpf-proxy build with another map layout ({MAP_CONNTRACK}:", root.display()),
+        format!("`ebpf-proxy cleanup --bpffs-root {}`", root.display()),
+    ];
+    for text in &expected {
+        assert!(stderr.contains(text.as_str()), "stderr lacks {text:?}:\n{stderr}");
+    }
+    assert!(root.join(MAP_CONNTRACK).exists(), "the mismatched pin was removed");
     Ok(())
 }
