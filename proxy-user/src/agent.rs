@@ -66,7 +66,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let health = Health::default();
     health::serve(args.healthz_bind_address, health.clone()).await?;
-    let mut health_checks = HealthCheckServers::new(std::net::Ipv4Addr::UNSPECIFIED.into(), health.clone());
+    let mut health_checks = HealthCheckServers::new(health.clone());
     let metrics = Metrics::new(&args.bpffs_root);
     metrics::serve(args.metrics_bind_address, metrics.clone()).await?;
 
@@ -145,7 +145,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             if pending {
                 retry_at = Some(Instant::now() + RETRY);
             } else {
-                health_checks.sync(&healthcheck::wanted(snap, &syncer.config)).await;
+                health_checks.sync(&healthcheck::wanted(snap, &syncer.config), healthcheck::listen_addresses(&syncer.config)).await;
             }
         }
     }

@@ -3,10 +3,12 @@
 //! Services get one), an HTTP server on that port tells the load balancer
 //! whether this node has a ready endpoint of the Service: 200 when it has
 //! (and the proxy is healthy), 503 when not, with kube-proxy's JSON body.
+//! As kube-proxy, the servers listen on the node addresses
+//! `--node-port-addresses` selects, or on every address when it is empty.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::{Arc, RwLock},
 };
 
@@ -74,36 +76,65 @@ pub fn wanted(snap: &Snapshot, config: &ModelConfig) -> BTreeMap<u16, Check> {
     out
 }
 
+/// Where the servers listen: the node addresses `--node-port-addresses`
+/// selects, or (flag empty) the unspecified IPv6 address, one dual-stack
+/// socket for every address of both families.
+pub fn listen_addresses(config: &ModelConfig) -> Vec<IpAddr> {
+    if config.node_port_addresses.is_empty() {
+        return vec![Ipv6Addr::UNSPECIFIED.into()];
+    }
+    config.node_port_ips().collect()
+}
+
 struct Server {
     check: Arc<RwLock<Check>>,
-    task: JoinHandle<()>,
+    /// One per listen address.
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Server {
+    async fn stop(self) {
+        for task in self.tasks {
+            task.abort();
+            let _ = task.await;
+        }
+    }
 }
 
 /// The running servers, one per port, started and stopped as Services change.
 pub struct HealthCheckServers {
-    bind: IpAddr,
     health: Health,
+    /// The addresses the running servers listen on.
+    addresses: Vec<IpAddr>,
     servers: BTreeMap<u16, Server>,
 }
 
 impl HealthCheckServers {
-    /// `bind`: the address to listen on (kube-proxy listens on every address).
-    pub fn new(bind: IpAddr, health: Health) -> Self {
-        HealthCheckServers { bind, health, servers: BTreeMap::new() }
+    pub fn new(health: Health) -> Self {
+        HealthCheckServers { health, addresses: Vec::new(), servers: BTreeMap::new() }
     }
 
     pub fn ports(&self) -> Vec<u16> {
         self.servers.keys().copied().collect()
     }
 
-    /// Makes the servers match `wanted`. A port that cannot be bound is
-    /// reported and tried again at the next sync; the others still serve.
-    pub async fn sync(&mut self, wanted: &BTreeMap<u16, Check>) {
+    /// Makes the servers match `wanted`, listening on `addresses` (see
+    /// `listen_addresses`; when they change, every server moves). A port
+    /// that cannot be bound on all of them is reported and tried again at
+    /// the next sync; the others still serve.
+    pub async fn sync(&mut self, wanted: &BTreeMap<u16, Check>, addresses: Vec<IpAddr>) {
+        if addresses != self.addresses {
+            if !self.servers.is_empty() {
+                info!(?addresses, "healthCheckNodePort servers move to the new node addresses");
+            }
+            for (_, server) in std::mem::take(&mut self.servers) {
+                server.stop().await;
+            }
+            self.addresses = addresses;
+        }
         let gone: Vec<u16> = self.servers.keys().filter(|p| !wanted.contains_key(p)).copied().collect();
         for port in gone {
-            let server = self.servers.remove(&port).expect("listed above");
-            server.task.abort();
-            let _ = server.task.await;
+            self.servers.remove(&port).expect("listed above").stop().await;
             info!(port, "healthCheckNodePort server stopped");
         }
         for (port, check) in wanted {
@@ -111,31 +142,70 @@ impl HealthCheckServers {
                 *server.check.write().unwrap() = check.clone();
                 continue;
             }
-            let addr = SocketAddr::new(self.bind, *port);
-            let listener = match tokio::net::TcpListener::bind(addr).await {
-                Ok(l) => l,
-                Err(e) => {
-                    warn!(service = %format!("{}/{}", check.namespace, check.name), %addr, "cannot serve the healthCheckNodePort, will retry: {e}");
-                    continue;
-                }
-            };
+            let service = format!("{}/{}", check.namespace, check.name);
+            if self.addresses.is_empty() {
+                warn!(%service, port, "no node address in --node-port-addresses: the healthCheckNodePort is not served");
+                continue;
+            }
             let shared = Arc::new(RwLock::new(check.clone()));
             let app = Router::new().fallback(answer).with_state((shared.clone(), self.health.clone()));
-            let task = tokio::spawn(async move {
-                if let Err(e) = axum::serve(listener, app).await {
-                    warn!(%addr, "healthCheckNodePort server stopped: {e}");
-                }
-            });
-            info!(service = %format!("{}/{}", check.namespace, check.name), port, "healthCheckNodePort server started");
-            self.servers.insert(*port, Server { check: shared, task });
+            let mut server = Server { check: shared, tasks: Vec::new() };
+            for ip in &self.addresses {
+                let addr = SocketAddr::new(*ip, *port);
+                let listener = match listen(addr) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        warn!(%service, %addr, "cannot serve the healthCheckNodePort, will retry: {e}");
+                        break;
+                    }
+                };
+                let app = app.clone();
+                server.tasks.push(tokio::spawn(async move {
+                    if let Err(e) = axum::serve(listener, app).await {
+                        warn!(%addr, "healthCheckNodePort server stopped: {e}");
+                    }
+                }));
+            }
+            if server.tasks.len() < self.addresses.len() {
+                server.stop().await;
+                continue;
+            }
+            info!(%service, port, addresses = ?self.addresses, "healthCheckNodePort server started");
+            self.servers.insert(*port, server);
         }
     }
 }
 
+/// A listening socket on `addr`; on the unspecified IPv6 address a
+/// dual-stack one (whatever net.ipv6.bindv6only says), or the unspecified
+/// IPv4 address on a node without IPv6.
+fn listen(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let dual_stack = addr.ip() == IpAddr::from(Ipv6Addr::UNSPECIFIED);
+    let open = |addr: SocketAddr| -> std::io::Result<Socket> {
+        let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+        if addr.is_ipv6() {
+            socket.set_only_v6(!dual_stack)?;
+        }
+        socket.set_reuse_address(true)?;
+        socket.set_nonblocking(true)?;
+        socket.bind(&addr.into())?;
+        socket.listen(1024)?;
+        Ok(socket)
+    };
+    let socket = match open(addr) {
+        Err(e) if dual_stack && e.raw_os_error() == Some(nix::libc::EAFNOSUPPORT) => {
+            open(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), addr.port()))?
+        }
+        other => other?,
+    };
+    tokio::net::TcpListener::from_std(socket.into())
+}
+
 impl Drop for HealthCheckServers {
     fn drop(&mut self) {
-        for s in self.servers.values() {
-            s.task.abort();
+        for task in self.servers.values().flat_map(|s| &s.tasks) {
+            task.abort();
         }
     }
 }
@@ -213,14 +283,22 @@ endpoints:
         assert_eq!(wanted(&snap, &cfg("node-c"))[&32000].local_endpoints, 0);
     }
 
-    /// GET over a real socket: (status, headers and body).
+    /// GET over a real socket to 127.0.0.1: (status, headers and body).
     async fn get(port: u16) -> (u16, String) {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        get_at([127, 0, 0, 1].into(), port).await
+    }
+
+    async fn get_at(ip: IpAddr, port: u16) -> (u16, String) {
+        let mut s = tokio::net::TcpStream::connect((ip, port)).await.unwrap();
         s.write_all(b"GET /healthz HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n").await.unwrap();
         let mut text = String::new();
         s.read_to_string(&mut text).await.unwrap();
         let status = text.split_whitespace().nth(1).unwrap().parse().unwrap();
         (status, text)
+    }
+
+    async fn sync_on_loopback(servers: &mut HealthCheckServers, snap: &Snapshot, node: &str) {
+        servers.sync(&wanted(snap, &cfg(node)), vec![[127, 0, 0, 1].into()]).await;
     }
 
     fn free_port() -> u16 {
@@ -233,10 +311,10 @@ endpoints:
         // A zero health timeout: any change not yet programmed makes the proxy unhealthy.
         let health = Health::with_timeout(std::time::Duration::ZERO);
         health.sync_succeeded();
-        let mut servers = HealthCheckServers::new([127, 0, 0, 1].into(), health.clone());
+        let mut servers = HealthCheckServers::new(health.clone());
         let snap = Snapshot::from_yaml(&services(port));
 
-        servers.sync(&wanted(&snap, &cfg("node-a"))).await;
+        sync_on_loopback(&mut servers, &snap, "node-a").await;
         assert_eq!(servers.ports(), [port]);
         let (status, text) = get(port).await;
         assert_eq!(status, 200, "{text}");
@@ -249,21 +327,56 @@ endpoints:
         );
 
         // No local endpoint on this node: 503, same server.
-        servers.sync(&wanted(&snap, &cfg("node-c"))).await;
+        sync_on_loopback(&mut servers, &snap, "node-c").await;
         let (status, text) = get(port).await;
         assert_eq!(status, 503, "{text}");
         assert!(text.contains(r#""localEndpoints":0"#), "{text}");
 
         // Local endpoints but the proxy unhealthy (a change it has not programmed): 503 as well.
-        servers.sync(&wanted(&snap, &cfg("node-a"))).await;
+        sync_on_loopback(&mut servers, &snap, "node-a").await;
         health.queued_update();
         let (status, text) = get(port).await;
         assert_eq!(status, 503, "{text}");
         assert!(text.contains(r#""serviceProxyHealthy":false"#), "{text}");
 
         // The Service goes: its port closes.
-        servers.sync(&BTreeMap::new()).await;
+        servers.sync(&BTreeMap::new(), vec![[127, 0, 0, 1].into()]).await;
         assert!(servers.ports().is_empty());
         assert!(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err(), "port {port} still open");
+    }
+
+    /// As kube-proxy: on the addresses --node-port-addresses selects, moved
+    /// when the node's addresses change; on every address (IPv4 and IPv6)
+    /// without the flag.
+    #[tokio::test]
+    async fn servers_listen_where_node_port_addresses_say() {
+        let port = free_port();
+        let health = Health::default();
+        health.sync_succeeded();
+        let snap = Snapshot::from_yaml(&services(port));
+        let want = wanted(&snap, &cfg("node-a"));
+        let mut servers = HealthCheckServers::new(health);
+        let (a, b): (IpAddr, IpAddr) = ([127, 0, 0, 1].into(), [127, 0, 0, 2].into());
+        let refused = |ip: IpAddr| async move { tokio::net::TcpStream::connect((ip, port)).await.is_err() };
+
+        let mut config = ModelConfig {
+            node_port_addresses: vec!["127.0.0.2/32".parse().unwrap()],
+            node_addresses: vec![a, b],
+            ..cfg("node-a")
+        };
+        assert_eq!(listen_addresses(&config), [b]);
+        servers.sync(&want, listen_addresses(&config)).await;
+        assert_eq!(get_at(b, port).await.0, 200);
+        assert!(refused(a).await, "listening on {a}, outside --node-port-addresses");
+
+        config.node_port_addresses = vec!["127.0.0.1/32".parse().unwrap()];
+        servers.sync(&want, listen_addresses(&config)).await;
+        assert_eq!(get_at(a, port).await.0, 200);
+        assert!(refused(b).await, "still listening on {b} after the addresses changed");
+
+        config.node_port_addresses.clear();
+        servers.sync(&want, listen_addresses(&config)).await;
+        assert_eq!(get_at(b, port).await.0, 200, "every IPv4 address");
+        assert_eq!(get_at(Ipv6Addr::LOCALHOST.into(), port).await.0, 200, "and IPv6");
     }
 }

@@ -54,7 +54,8 @@ impl ModelConfig {
         self.node_port_addresses.is_empty() || self.node_port_addresses.iter().any(|net| net.contains(ip))
     }
 
-    fn node_port_ips(&self) -> impl Iterator<Item = IpAddr> + '_ {
+    /// The node addresses NodePorts (and healthCheckNodePorts) are served on.
+    pub fn node_port_ips(&self) -> impl Iterator<Item = IpAddr> + '_ {
         self.node_addresses.iter().copied().filter(|ip| self.admits_node_port_on(ip))
     }
 
