@@ -248,6 +248,16 @@ pub fn dump_json(what: &str, bpffs_root: &Path) -> Result<serde_json::Value> {
     Ok(serde_json::from_slice(&out.stdout)?)
 }
 
+/// `ebpf-proxy trace --from FROM --to TO -o json` against a bpffs root.
+pub fn trace_json(bpffs_root: &Path, from: &str, to: &str) -> Result<serde_json::Value> {
+    let out = std::process::Command::new(agent_bin())
+        .args(["trace", "--from", from, "--to", to, "-o", "json", "--bpffs-root"])
+        .arg(bpffs_root)
+        .output()?;
+    anyhow::ensure!(out.status.success(), "trace {from} -> {to}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
 /// The backends `dump services` shows for a frontend such as "10.96.0.10:80/TCP".
 pub fn dumped_backends(bpffs_root: &Path, frontend: &str) -> Result<Vec<String>> {
     let rows = dump_json("services", bpffs_root)?;

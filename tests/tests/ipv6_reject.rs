@@ -2,7 +2,8 @@
 //! endpoints gets ECONNREFUSED at once, over TCP (a RST) and UDP (an ICMPv6
 //! port unreachable the pod's kernel accepts, checksum included), while an
 //! unallocated address of the service CIDR is dropped (a timeout), and a
-//! served port still reaches its endpoint.
+//! served port still reaches its endpoint; `ebpf-proxy trace` on IPv6
+//! addresses says the same.
 
 use std::{
     io::ErrorKind,
@@ -12,7 +13,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_tests::{
-    agent::Agent,
+    agent::{Agent, trace_json},
     bpffs::Bpffs,
     echo::{EchoServer, tcp_request_from, udp_request_connected},
     is_root,
@@ -77,5 +78,13 @@ fn ipv6_service_without_endpoints_is_rejected() -> Result<()> {
     assert_eq!(r.map_err(|e| e.kind()).err(), Some(ErrorKind::ConnectionRefused), "UDP, no endpoints\n{}", agent.logs());
     let r = tcp_request_from(&client.ns, None, (v6("fd00:96::99"), 80).into(), SHORT);
     assert_eq!(r.map_err(|e| e.kind()).err(), Some(ErrorKind::TimedOut), "unallocated ClusterIP: dropped");
+
+    let t = trace_json(&root, "fd00:244::2", "[fd00:96::10]:80/TCP")?;
+    assert_eq!((t["verdict"].as_str(), t["type"].as_str(), t["scope"].as_str()), (Some("ACCEPT"), Some("ClusterIP"), Some("internal")), "{t:#}");
+    assert_eq!(t["candidates"], serde_json::json!(["[fd00:244::11]:8080"]), "{t:#}");
+    for (to, verdict) in [("[fd00:96::12]:80/TCP", "REJECT"), ("[fd00:96::12]:53/UDP", "REJECT"), ("[fd00:96::99]:80/TCP", "DROP")] {
+        let t = trace_json(&root, "fd00:244::2", to)?;
+        assert_eq!(t["verdict"], verdict, "{to}: {t:#}");
+    }
     Ok(())
 }

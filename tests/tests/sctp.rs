@@ -20,7 +20,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_tests::{
-    agent::Agent,
+    agent::{Agent, trace_json},
     bpffs::Bpffs,
     is_root,
     sctp::{self, CHUNK_ABORT, CHUNK_DATA, CHUNK_INIT, CHUNK_INIT_ACK, Capture, chunk},
@@ -125,6 +125,12 @@ fn sctp_cluster_ip_translates_ports_with_valid_crc_both_ways() -> Result<()> {
             check_seen(what, &got.seen, vip, c, kind).with_context(|| agent.logs())?;
         }
     }
+
+    // trace builds an SCTP INIT too, and reads the same decision (from a new
+    // client port: the flow above is still tracked).
+    let t = trace_json(&root, &format!("{CLIENT_IP}:40100"), &format!("{vip}/SCTP"))?;
+    assert_eq!((t["verdict"].as_str(), t["type"].as_str()), (Some("ACCEPT"), Some("ClusterIP")), "{t:#}");
+    assert_eq!(t["candidates"], serde_json::json!([b.to_string()]), "{t:#}");
 
     // A packet whose CRC is left to the kernel (CHECKSUM_PARTIAL), its field
     // zero as the SCTP stack leaves it for offload. The backend's node-side

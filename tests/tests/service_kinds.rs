@@ -16,7 +16,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_tests::{
-    agent::{Agent, dump_json},
+    agent::{Agent, dump_json, trace_json},
     bpffs::Bpffs,
     echo::{EchoServer, Reply, tcp_request_from, udp_request_connected},
     is_root,
@@ -223,15 +223,15 @@ fn node_port_external_ip_load_balancer_and_verdicts() -> Result<()> {
     // trace agrees with what the packets above did, and changes no state.
     let conntrack_before = flows(&root)?;
     let counters_before = counters(&root)?;
-    let t = trace(&root, "10.244.0.2", "10.96.0.10:80/TCP")?;
+    let t = trace_json(&root, "10.244.0.2", "10.96.0.10:80/TCP")?;
     assert_eq!((t["verdict"].as_str(), t["type"].as_str(), t["scope"].as_str()), (Some("ACCEPT"), Some("ClusterIP"), Some("internal")), "{t:#}");
     assert_eq!(t["service"], "demo/cluster:tcp");
     assert_eq!(strings(&t["candidates"]), set(&["10.244.0.11:8080", "10.244.0.12:8080"]), "{t:#}");
     assert_eq!(t["masquerade"], false);
-    let t = trace(&root, "203.0.113.2", "192.168.0.2:30080/TCP")?;
+    let t = trace_json(&root, "203.0.113.2", "192.168.0.2:30080/TCP")?;
     assert_eq!((t["verdict"].as_str(), t["type"].as_str(), t["scope"].as_str()), (Some("ACCEPT"), Some("NodePort"), Some("external")), "{t:#}");
     assert_eq!(t["masquerade"], true, "{t:#}");
-    let t = trace(&root, "203.0.113.2", "192.168.0.2:30081/TCP")?;
+    let t = trace_json(&root, "203.0.113.2", "192.168.0.2:30081/TCP")?;
     assert_eq!((strings(&t["candidates"]), &t["masquerade"]), (set(&["10.244.0.11:8080"]), &serde_json::json!(false)), "{t:#}");
     for (from, to, verdict, reason) in [
         ("10.244.0.2", "10.96.0.12:80/TCP", "REJECT", "no usable endpoint"),
@@ -241,7 +241,7 @@ fn node_port_external_ip_load_balancer_and_verdicts() -> Result<()> {
         ("203.0.113.130", "1.2.3.4:80/TCP", "DROP", "loadBalancerSourceRanges"),
         ("10.244.0.2", "10.97.0.1:80/TCP", "PASS", "not a service"),
     ] {
-        let t = trace(&root, from, to)?;
+        let t = trace_json(&root, from, to)?;
         assert_eq!(t["verdict"], verdict, "{from} -> {to}: {t:#}");
         assert!(t["reason"].as_str().unwrap_or_default().contains(reason), "{from} -> {to}: {t:#}");
     }
@@ -251,15 +251,6 @@ fn node_port_external_ip_load_balancer_and_verdicts() -> Result<()> {
     Ok(())
 }
 
-/// `ebpf-proxy trace -o json`.
-fn trace(root: &std::path::Path, from: &str, to: &str) -> Result<serde_json::Value> {
-    let out = std::process::Command::new(proxy_tests::agent::agent_bin())
-        .args(["trace", "--from", from, "--to", to, "-o", "json", "--bpffs-root"])
-        .arg(root)
-        .output()?;
-    anyhow::ensure!(out.status.success(), "trace {from} -> {to}: {}", String::from_utf8_lossy(&out.stderr));
-    Ok(serde_json::from_slice(&out.stdout)?)
-}
 
 /// Conntrack entries without their ages, which move on their own.
 fn flows(root: &std::path::Path) -> Result<BTreeSet<String>> {
