@@ -167,9 +167,16 @@ pub const CT_MASQUERADE: u8 = 1 << 0;
 /// A FIN or RST went through this direction (on a masqueraded flow's SNAT
 /// reply entry: through either): once idle for `CT_CLOSING_TIMEOUT_NS` the
 /// entry counts as gone, so a later flow that reuses the tuple starts afresh;
-/// a new TCP connection may take a closing flow's SNAT port at once.
+/// a new TCP connection may take a closing flow's SNAT port sooner, see
+/// `CT_SNAT_REUSE_IDLE_NS`.
 pub const CT_CLOSING: u8 = 1 << 1;
 pub const CT_CLOSING_TIMEOUT_NS: u64 = 10_000_000_000;
+/// A new TCP connection may take the SNAT port of a flow that saw a FIN or
+/// RST once that flow has been quiet this long (as Linux NAT reuses a
+/// TIME_WAIT tuple): under connection churn the port table then holds little
+/// more than the open connections, while a closing flow's last packets (the
+/// ACK of a FIN, the data of a half-closed connection) still reach it.
+pub const CT_SNAT_REUSE_IDLE_NS: u64 = 1_000_000_000;
 
 #[repr(C)]
 #[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]

@@ -3,7 +3,8 @@
 
 use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_coarse_ns};
 use proxy_common::{
-    Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, CtEntry, CtKey, ServiceEntry,
+    Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, CT_SNAT_REUSE_IDLE_NS, CtEntry,
+    CtKey, ServiceEntry,
 };
 
 use crate::maps::{CONNTRACK, SNAT};
@@ -95,8 +96,8 @@ pub fn create(
 /// replies; fails if another flow holds it, so the caller tries another port.
 /// `plain_reply` is the flow's ordinary reply entry (it names the frontend);
 /// `client` is where the replies really go. A new TCP connection (`opens`)
-/// may take the port of a flow that closed, as Linux NAT reuses a TIME_WAIT
-/// tuple: under connection churn the table holds only open connections.
+/// may take the port of a flow that closed and went quiet
+/// (`CT_SNAT_REUSE_IDLE_NS`).
 #[inline(always)]
 pub fn claim_snat_reply(
     snat_key: &CtKey,
@@ -115,7 +116,10 @@ pub fn claim_snat_reply(
         ..*plain_reply
     };
     // The reply entries are the port table: a live one is another flow's.
-    if lookup(snat_key).is_some_and(|held| !(opens && held.flags & CT_CLOSING != 0)) {
+    let reusable = |held: &CtEntry| {
+        held.flags & CT_CLOSING != 0 && now.saturating_sub(held.last_seen_ns) >= CT_SNAT_REUSE_IDLE_NS
+    };
+    if lookup(snat_key).is_some_and(|held| !(opens && reusable(held))) {
         return Err(-1);
     }
     CONNTRACK.insert(snat_key, &entry, BPF_ANY as u64)

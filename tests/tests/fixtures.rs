@@ -292,21 +292,19 @@ fn verdict_cases() -> Vec<Case> {
         )
         .leaves_mark(MASQUERADE_MARK),
         Case::new(
-            "egress: it takes the closed flow's port 62000 (as Linux NAT reuses a TIME_WAIT tuple)",
+            "egress: port 62000 is not taken yet (the closed flow's last packets may still come): another one",
             tcp_syn((EXTERNAL_3, 62000), (BACKEND, 8080)),
             TC_ACT_OK,
-            Expect::Translated(tcp_syn((NODE_IP, 62000), (BACKEND, 8080))),
+            Expect::TranslatedWith(|out| {
+                let port = u16::from_be_bytes([out[ETH_HLEN + 20], out[ETH_HLEN + 21]]);
+                if port == 62000 || !(DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1).contains(&port) {
+                    return Err(format!("SNAT source port {port}: want a free one in {DEFAULT_SNAT_PORTS:?}, not 62000"));
+                }
+                Ok(tcp_syn((NODE_IP, port), (BACKEND, 8080)))
+            }),
             &[],
         )
         .at_egress(MASQUERADE_MARK),
-        Case::new(
-            "reply 10.244.0.11:8080 -> 192.168.0.2:62000: now to 203.0.113.4:62000",
-            tcp_data((BACKEND, 8080), (NODE_IP, 62000), b"ok"),
-            TC_ACT_OK,
-            Expect::Translated(tcp_data((BACKEND, 8080), (EXTERNAL_3, 62000), b"ok")),
-            &[Counter::Reply],
-        )
-        .leaves_mark(REVERSE_NAT_MARK),
         Case::new(
             "TCP SYN 203.0.113.2:40002 -> 10.96.0.10:80: masqueraded",
             tcp_syn((EXTERNAL, 40002), (VIP, 80)),
@@ -340,6 +338,54 @@ fn verdict_cases() -> Vec<Case> {
         )
         .leaves_mark(MASQUERADE_MARK),
     ]
+}
+
+/// A closed flow's SNAT port, quiet for longer than CT_SNAT_REUSE_IDLE_NS,
+/// goes to the next TCP connection, as Linux NAT reuses a TIME_WAIT tuple.
+fn closed_port_reuse_cases() -> Vec<Case> {
+    vec![
+        Case::new(
+            "TCP SYN 203.0.113.4:62000 -> 10.96.0.10:80: masqueraded",
+            tcp_syn((EXTERNAL_3, 62000), (VIP, 80)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((EXTERNAL_3, 62000), (BACKEND, 8080))),
+            &[Counter::NewFlow, Counter::Masqueraded],
+        )
+        .leaves_mark(MASQUERADE_MARK),
+        Case::new(
+            "egress: it takes port 62000 from the flow that closed 2 s ago",
+            tcp_syn((EXTERNAL_3, 62000), (BACKEND, 8080)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((NODE_IP, 62000), (BACKEND, 8080))),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK),
+        Case::new(
+            "reply 10.244.0.11:8080 -> 192.168.0.2:62000: to the new client 203.0.113.4:62000",
+            tcp_data((BACKEND, 8080), (NODE_IP, 62000), b"ok"),
+            TC_ACT_OK,
+            Expect::Translated(tcp_data((BACKEND, 8080), (EXTERNAL_3, 62000), b"ok")),
+            &[Counter::Reply],
+        )
+        .leaves_mark(REVERSE_NAT_MARK),
+    ]
+}
+
+/// 203.0.113.2:62000's masqueraded flow to the TCP backend, closed (FIN or
+/// RST) and quiet for 2 s, holding SNAT port 62000.
+fn hold_port_of_a_closed_flow(m: &mut Maps) -> anyhow::Result<()> {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
+    let now_ns = now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64;
+    let closed = CtEntry {
+        direction: CT_REPLY,
+        flags: CT_MASQUERADE | CT_CLOSING,
+        rev_addr: Addr::from_v4_octets(EXTERNAL),
+        rev_port: 62000u16.to_be(),
+        last_seen_ns: now_ns - 2_000_000_000,
+        ..Default::default()
+    };
+    m.conntrack.insert(&ct_key((BACKEND, 8080), (NODE_IP, 62000), IPPROTO_TCP), &closed, 0)?;
+    Ok(())
 }
 
 /// With every port of the SNAT range held towards the backend, masquerade
@@ -496,6 +542,14 @@ fn verdict_fixtures() {
     let mut fx = Fixture::new("fixtures-verdict", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
     run_table(&fx, "verdict", verdict_cases(), recheck_checksums, field);
+}
+
+#[test]
+fn closed_port_reuse_fixtures() {
+    let mut fx = Fixture::new("fixtures-snat-reuse", install_services).unwrap();
+    install_policy(&mut fx.maps).expect("filling the policy maps");
+    hold_port_of_a_closed_flow(&mut fx.maps).expect("holding SNAT port 62000");
+    run_table(&fx, "closed SNAT port reuse", closed_port_reuse_cases(), recheck_checksums, field);
 }
 
 #[test]
