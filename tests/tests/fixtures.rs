@@ -210,14 +210,7 @@ fn verdict_cases() -> Vec<Case> {
             tcp_syn((EXTERNAL, 40001), (BACKEND, 8080)),
             Counter::NewFlow,
         ),
-        Case::new(
-            "TCP SYN 203.0.113.2 -> ClusterIP 10.96.0.10:80 from outside the cluster CIDR: DNAT, marked for masquerade",
-            tcp_syn(ext, (VIP, 80)),
-            TC_ACT_OK,
-            Expect::Translated(tcp_syn(ext, (BACKEND, 8080))),
-            &[Counter::NewFlow, Counter::Masqueraded],
-        )
-        .leaves_mark(MASQUERADE_MARK),
+        masqueraded_syn("TCP SYN 203.0.113.2 -> ClusterIP 10.96.0.10:80 from outside the cluster CIDR: DNAT, marked for masquerade", ext),
         Case::new(
             "egress: the marked SYN leaves from the node address, client port kept; mark cleared",
             tcp_syn(ext, (BACKEND, 8080)),
@@ -252,28 +245,8 @@ fn verdict_cases() -> Vec<Case> {
             &[],
         )
         .at_egress(MASQUERADE_MARK),
-        Case::new(
-            "TCP SYN 203.0.113.3:62000 -> 10.96.0.10:80, another client with the same port: masqueraded too",
-            tcp_syn((EXTERNAL_2, 62000), (VIP, 80)),
-            TC_ACT_OK,
-            Expect::Translated(tcp_syn((EXTERNAL_2, 62000), (BACKEND, 8080))),
-            &[Counter::NewFlow, Counter::Masqueraded],
-        )
-        .leaves_mark(MASQUERADE_MARK),
-        Case::new(
-            "egress: its port is taken towards this backend (by 203.0.113.2's flow): another one from the SNAT range",
-            tcp_syn((EXTERNAL_2, 62000), (BACKEND, 8080)),
-            TC_ACT_OK,
-            Expect::TranslatedWith(|out| {
-                let port = u16::from_be_bytes([out[ETH_HLEN + 20], out[ETH_HLEN + 21]]);
-                if port == 62000 || !(DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1).contains(&port) {
-                    return Err(format!("SNAT source port {port}: want a free one in {DEFAULT_SNAT_PORTS:?}, not 62000"));
-                }
-                Ok(tcp_syn((NODE_IP, port), (BACKEND, 8080)))
-            }),
-            &[],
-        )
-        .at_egress(MASQUERADE_MARK),
+        masqueraded_syn("TCP SYN 203.0.113.3:62000 -> 10.96.0.10:80, another client with the same port: masqueraded too", (EXTERNAL_2, 62000)),
+        snat_to_a_drawn_port("egress: its port is taken towards this backend (by 203.0.113.2's flow): another one from the SNAT range", (EXTERNAL_2, 62000)),
         Case::new(
             "egress: 203.0.113.2's client closes (FIN): its SNAT port 62000 closes with it",
             tcp_fin(ext, (BACKEND, 8080)),
@@ -283,50 +256,13 @@ fn verdict_cases() -> Vec<Case> {
         )
         .at_egress(MASQUERADE_MARK)
         .then(closed_snat_port_is_closing),
-        Case::new(
-            "TCP SYN 203.0.113.4:62000 -> 10.96.0.10:80, a new connection: masqueraded",
-            tcp_syn((EXTERNAL_3, 62000), (VIP, 80)),
-            TC_ACT_OK,
-            Expect::Translated(tcp_syn((EXTERNAL_3, 62000), (BACKEND, 8080))),
-            &[Counter::NewFlow, Counter::Masqueraded],
-        )
-        .leaves_mark(MASQUERADE_MARK),
-        Case::new(
-            "egress: port 62000 is not taken yet (the closed flow's last packets may still come): another one",
-            tcp_syn((EXTERNAL_3, 62000), (BACKEND, 8080)),
-            TC_ACT_OK,
-            Expect::TranslatedWith(|out| {
-                let port = u16::from_be_bytes([out[ETH_HLEN + 20], out[ETH_HLEN + 21]]);
-                if port == 62000 || !(DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1).contains(&port) {
-                    return Err(format!("SNAT source port {port}: want a free one in {DEFAULT_SNAT_PORTS:?}, not 62000"));
-                }
-                Ok(tcp_syn((NODE_IP, port), (BACKEND, 8080)))
-            }),
-            &[],
-        )
-        .at_egress(MASQUERADE_MARK),
-        Case::new(
-            "TCP SYN 203.0.113.2:40002 -> 10.96.0.10:80: masqueraded",
-            tcp_syn((EXTERNAL, 40002), (VIP, 80)),
-            TC_ACT_OK,
-            Expect::Translated(tcp_syn((EXTERNAL, 40002), (BACKEND, 8080))),
-            &[Counter::NewFlow, Counter::Masqueraded],
-        )
-        .leaves_mark(MASQUERADE_MARK),
-        Case::new(
+        masqueraded_syn("TCP SYN 203.0.113.4:62000 -> 10.96.0.10:80, a new connection: masqueraded", (EXTERNAL_3, 62000)),
+        snat_to_a_drawn_port("egress: port 62000 is not taken yet (the closed flow's last packets may still come): another one", (EXTERNAL_3, 62000)),
+        masqueraded_syn("TCP SYN 203.0.113.2:40002 -> 10.96.0.10:80: masqueraded", (EXTERNAL, 40002)),
+        snat_to_a_drawn_port(
             "egress: a client port in the node's ephemeral range (a node socket may take it) is replaced from the SNAT range",
-            tcp_syn((EXTERNAL, 40002), (BACKEND, 8080)),
-            TC_ACT_OK,
-            Expect::TranslatedWith(|out| {
-                let port = u16::from_be_bytes([out[ETH_HLEN + 20], out[ETH_HLEN + 21]]);
-                if !(DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1).contains(&port) {
-                    return Err(format!("SNAT source port {port}: want one in {DEFAULT_SNAT_PORTS:?}"));
-                }
-                Ok(tcp_syn((NODE_IP, port), (BACKEND, 8080)))
-            }),
-            &[],
-        )
-        .at_egress(MASQUERADE_MARK),
+            (EXTERNAL, 40002),
+        ),
         Case::new("egress: an unmarked packet is not ours", tcp_syn(ext, (BACKEND, 8080)), TC_ACT_UNSPEC, Expect::Unchanged, &[])
             .at_egress(0),
         Case::new(
@@ -344,14 +280,7 @@ fn verdict_cases() -> Vec<Case> {
 /// goes to the next TCP connection, as Linux NAT reuses a TIME_WAIT tuple.
 fn closed_port_reuse_cases() -> Vec<Case> {
     vec![
-        Case::new(
-            "TCP SYN 203.0.113.4:62000 -> 10.96.0.10:80: masqueraded",
-            tcp_syn((EXTERNAL_3, 62000), (VIP, 80)),
-            TC_ACT_OK,
-            Expect::Translated(tcp_syn((EXTERNAL_3, 62000), (BACKEND, 8080))),
-            &[Counter::NewFlow, Counter::Masqueraded],
-        )
-        .leaves_mark(MASQUERADE_MARK),
+        masqueraded_syn("TCP SYN 203.0.113.4:62000 -> 10.96.0.10:80: masqueraded", (EXTERNAL_3, 62000)),
         Case::new(
             "egress: it takes port 62000 from the flow that closed 2 s ago",
             tcp_syn((EXTERNAL_3, 62000), (BACKEND, 8080)),
@@ -393,14 +322,7 @@ fn hold_port_of_a_closed_flow(m: &mut Maps) -> anyhow::Result<()> {
 /// counts it: such a flow may share a node socket's replies.
 fn full_snat_range_cases() -> Vec<Case> {
     vec![
-        Case::new(
-            "TCP SYN 203.0.113.2:40003 -> 10.96.0.10:80: masqueraded",
-            tcp_syn((EXTERNAL, 40003), (VIP, 80)),
-            TC_ACT_OK,
-            Expect::Translated(tcp_syn((EXTERNAL, 40003), (BACKEND, 8080))),
-            &[Counter::NewFlow, Counter::Masqueraded],
-        )
-        .leaves_mark(MASQUERADE_MARK),
+        masqueraded_syn("TCP SYN 203.0.113.2:40003 -> 10.96.0.10:80: masqueraded", (EXTERNAL, 40003)),
         Case::new(
             "egress, every SNAT port held: the client's port 40003 kept, counted as shared",
             tcp_syn((EXTERNAL, 40003), (BACKEND, 8080)),
@@ -429,6 +351,38 @@ fn closed_snat_port_is_closing(maps: &Maps) -> Result<(), String> {
         return Err(format!("SNAT reply entry after the client's FIN has flags {:#x}, want CT_CLOSING", e.flags));
     }
     Ok(())
+}
+
+/// A SYN from `client` (outside the cluster CIDR) to the ClusterIP: DNAT,
+/// marked for masquerade.
+fn masqueraded_syn(what: &str, client: Endpoint) -> Case {
+    Case::new(
+        what,
+        tcp_syn(client, (VIP, 80)),
+        TC_ACT_OK,
+        Expect::Translated(tcp_syn(client, (BACKEND, 8080))),
+        &[Counter::NewFlow, Counter::Masqueraded],
+    )
+    .leaves_mark(MASQUERADE_MARK)
+}
+
+/// That SYN at egress: from the node address and a port drawn from the SNAT
+/// range (not 62000, which these tables hold).
+fn snat_to_a_drawn_port(what: &str, client: Endpoint) -> Case {
+    Case::new(
+        what,
+        tcp_syn(client, (BACKEND, 8080)),
+        TC_ACT_OK,
+        Expect::TranslatedWith(|out| {
+            let port = u16::from_be_bytes([out[ETH_HLEN + 20], out[ETH_HLEN + 21]]);
+            if port == 62000 || !(DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1).contains(&port) {
+                return Err(format!("SNAT source port {port}: want a free one in {DEFAULT_SNAT_PORTS:?}, not 62000"));
+            }
+            Ok(tcp_syn((NODE_IP, port), (BACKEND, 8080)))
+        }),
+        &[],
+    )
+    .at_egress(MASQUERADE_MARK)
 }
 
 fn masqueraded_reply_is_tracked(maps: &Maps) -> Result<(), String> {
