@@ -14,6 +14,7 @@ use super::{
     data::{Case, Expect, Family, Protocol, Setup},
     frontends, probe, verdict,
 };
+use crate::echo::EchoServer;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Status {
@@ -316,6 +317,13 @@ fn run_case(cluster: &Cluster, case: &Case, netprobe: &Path) -> (Status, String)
         Some(cg) => probe::request_from_node(netprobe, cg, ns, case.protocol, case.source_ip, dest),
         None => probe::request(ns, case.protocol, case.source_ip, dest),
     };
+    // ACCEPT: the packet must reach the node's own stack untranslated. The
+    // agent's healthCheckNodePort server answers there when it listens on
+    // that address; it listens only on the --node-port-addresses ones, as
+    // kube-proxy's, so a stand-in answers where the port is free.
+    let _stand_in = (expect == Expect::Accept && case.protocol != Protocol::SCTP)
+        .then(|| EchoServer::start_on(&cluster.test_node.ns, &format!("host:{}", dest.port()), dest).ok())
+        .flatten();
     match verdict::judge(&expect, case, masq_observable, send) {
         Ok(seen) => (Status::Pass, seen),
         Err(why) if origin == Origin::Node => {
