@@ -12,16 +12,22 @@
 //! for UDP the offset falls on the ICMP header's unused word, left zero, which
 //! keeps a valid ICMP checksum valid.
 
-use aya_ebpf::{helpers::bpf_redirect, programs::TcContext};
+use aya_ebpf::{
+    EbpfContext,
+    helpers::{bpf_redirect, bpf_skb_load_bytes},
+    programs::TcContext,
+};
 use proxy_common::IPPROTO_TCP;
 
-use crate::{maps::SCRATCH, parse::Packet};
+use crate::{
+    maps::SCRATCH,
+    parse::{ETH_HLEN, Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+};
 
-const ETH_ALEN: usize = 6;
-const ETH_HLEN: usize = 14;
+pub const ETH_ALEN: usize = 6;
 const ETH_P_IP: u16 = 0x0800;
 const IPV4_HLEN: usize = 20;
-const TCP_HLEN: usize = 20;
+pub const TCP_HLEN: usize = 20;
 const ICMP_HLEN: usize = 8;
 /// RFC 792: the original IP header and the first 8 bytes of its payload.
 const QUOTE_LEN: usize = IPV4_HLEN + 8;
@@ -32,10 +38,6 @@ pub const OUT_LEN: usize = ETH_HLEN + ICMP_L3_LEN;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
 const IPPROTO_ICMP: u8 = 1;
-const TCP_FIN: u8 = 0x01;
-const TCP_SYN: u8 = 0x02;
-const TCP_RST: u8 = 0x04;
-const TCP_ACK: u8 = 0x10;
 const TCP_CSUM_OFF: usize = ETH_HLEN + IPV4_HLEN + 16;
 
 /// Rewrites the packet into the reject and redirects it; the caller returns
@@ -86,34 +88,52 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<i32, i64> {
     Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
 }
 
-/// RFC 793 reset for a segment that reached no listener: seq from the
-/// segment's ACK if it had one, else 0 with an ACK of everything it carried.
+/// The reset, its TCP header loaded where the segment's was (map memory, not
+/// the stack) and rewritten in place.
 fn tcp_rst(ctx: &TcContext, buf: &mut [u8; OUT_LEN], orig_ip: &[u8; IPV4_HLEN]) -> Result<usize, i64> {
-    let th: [u8; TCP_HLEN] = ctx.load(ETH_HLEN + IPV4_HLEN)?;
     let total = u16::from_be_bytes([orig_ip[2], orig_ip[3]]) as u32;
-    let doff = ((th[12] >> 4) as u32) * 4;
-    let flags = th[13];
-    let mut seg_len = total.saturating_sub(IPV4_HLEN as u32 + doff);
+    buf[ETH_HLEN + 9] = IPPROTO_TCP;
+    let tcp: &mut [u8; TCP_HLEN] = (&mut buf[ETH_HLEN + IPV4_HLEN..ETH_HLEN + RST_L3_LEN]).try_into().map_err(|_| -1i64)?;
+    load(ctx, ETH_HLEN + IPV4_HLEN, tcp)?;
+    reset_in_place(tcp, total.saturating_sub(IPV4_HLEN as u32));
+    Ok(ETH_HLEN + RST_L3_LEN)
+}
+
+/// RFC 793 reset for a segment that reached no listener, for either IP
+/// family: `tcp` holds the segment's TCP header and becomes the reset's (no
+/// options, checksum left zero); `l4_len` counts the segment's bytes after
+/// the IP header. Seq from the segment's ACK if it had one, else 0 with an
+/// ACK of everything it carried.
+#[inline(always)]
+pub fn reset_in_place(tcp: &mut [u8; TCP_HLEN], l4_len: u32) {
+    // Scalars, not copies of the header: the stack is short.
+    let word = |i: usize| u32::from_be_bytes([tcp[i], tcp[i + 1], tcp[i + 2], tcp[i + 3]]);
+    let (ports, seq, ack) = (word(0), word(4), word(8));
+    let doff = ((tcp[12] >> 4) as u32) * 4;
+    let flags = tcp[13];
+    let mut seg_len = l4_len.saturating_sub(doff);
     if flags & TCP_SYN != 0 {
         seg_len += 1;
     }
     if flags & TCP_FIN != 0 {
         seg_len += 1;
     }
-    buf[ETH_HLEN + 9] = IPPROTO_TCP;
-    let tcp = &mut buf[ETH_HLEN + IPV4_HLEN..ETH_HLEN + RST_L3_LEN];
-    tcp[0..2].copy_from_slice(&th[2..4]);
-    tcp[2..4].copy_from_slice(&th[0..2]);
-    if flags & TCP_ACK != 0 {
-        tcp[4..8].copy_from_slice(&th[8..12]);
-        tcp[13] = TCP_RST;
-    } else {
-        let ack = u32::from_be_bytes([th[4], th[5], th[6], th[7]]).wrapping_add(seg_len);
-        tcp[8..12].copy_from_slice(&ack.to_be_bytes());
-        tcp[13] = TCP_RST | TCP_ACK;
-    }
+    let (seq, ack, flags) =
+        if flags & TCP_ACK != 0 { (ack, 0, TCP_RST) } else { (0, seq.wrapping_add(seg_len), TCP_RST | TCP_ACK) };
+    tcp[0..4].copy_from_slice(&ports.rotate_left(16).to_be_bytes());
+    tcp[4..8].copy_from_slice(&seq.to_be_bytes());
+    tcp[8..12].copy_from_slice(&ack.to_be_bytes());
     tcp[12] = (TCP_HLEN as u8 / 4) << 4;
-    Ok(ETH_HLEN + RST_L3_LEN)
+    tcp[13] = flags;
+    tcp[14..].fill(0);
+}
+
+/// `dst.len()` bytes of the packet from `off`, into `dst` (map memory here):
+/// no copy through the stack. The lengths are constants at every call.
+#[inline(always)]
+pub fn load(ctx: &TcContext, off: usize, dst: &mut [u8]) -> Result<(), i64> {
+    let ret = unsafe { bpf_skb_load_bytes(ctx.as_ptr(), off as u32, dst.as_mut_ptr() as *mut _, dst.len() as u32) };
+    if ret < 0 { Err(ret) } else { Ok(()) }
 }
 
 /// The TCP checksum: the pseudo-header seed alone when the packet is

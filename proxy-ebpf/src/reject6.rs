@@ -10,24 +10,17 @@
 //! receivers ignore: it gets the seed, so completion makes the whole sum
 //! right (ICMPv6, unlike ICMP, covers a pseudo-header).
 
-use aya_ebpf::{
-    EbpfContext,
-    helpers::{bpf_redirect, bpf_skb_load_bytes},
-    programs::TcContext,
-};
+use aya_ebpf::{helpers::bpf_redirect, programs::TcContext};
 use proxy_common::IPPROTO_TCP;
 
 use crate::{
     maps::SCRATCH6,
-    parse::Packet,
-    reject::{fold, sum},
+    parse::{ETH_HLEN, Packet},
+    reject::{ETH_ALEN, TCP_HLEN, fold, load, reset_in_place, sum},
 };
 
-const ETH_ALEN: usize = 6;
-const ETH_HLEN: usize = 14;
 const ETH_P_IPV6: u16 = 0x86dd;
 const IPV6_HLEN: usize = 40;
-const TCP_HLEN: usize = 20;
 const ICMP6_HLEN: usize = 8;
 /// The original header and the first 8 bytes of its payload (the ports):
 /// what a receiver needs to find the socket, well within the minimum MTU.
@@ -40,10 +33,6 @@ const L4: usize = ETH_HLEN + IPV6_HLEN;
 const ICMP6_DST_UNREACH: u8 = 1;
 const ICMP6_PORT_UNREACH: u8 = 4;
 const IPPROTO_ICMPV6: u8 = 58;
-const TCP_FIN: u8 = 0x01;
-const TCP_SYN: u8 = 0x02;
-const TCP_RST: u8 = 0x04;
-const TCP_ACK: u8 = 0x10;
 /// Where checksum completion of the original TCP / UDP packet writes.
 const TCP_CSUM_OFF: usize = L4 + 16;
 const UDP_CSUM_OFF: usize = L4 + 6;
@@ -79,7 +68,10 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<i32, i64> {
     let pseudo = sum(&buf[ETH_HLEN + 8..L4], payload as u32 + buf[ETH_HLEN + 6] as u32);
 
     if tcp {
-        tcp_rst(ctx, buf, orig_payload)?;
+        // The segment's header, loaded where the reset's goes, then rewritten.
+        let tcp: &mut [u8; TCP_HLEN] = (&mut buf[L4..L4 + TCP_HLEN]).try_into().map_err(|_| -1i64)?;
+        load(ctx, L4, tcp)?;
+        reset_in_place(tcp, orig_payload as u32);
     } else {
         // The original IPv6 header and the 8 bytes after it.
         load(ctx, ETH_HLEN, &mut buf[L4 + ICMP6_HLEN..L4 + ICMP6_LEN])?;
@@ -106,44 +98,4 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<i32, i64> {
     }
     let ifindex = crate::skb::ifindex(ctx);
     Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
-}
-
-/// RFC 793 reset for a segment that reached no listener: seq from the
-/// segment's ACK if it had one, else 0 with an ACK of everything it carried.
-/// The segment's header is loaded where the reset's goes, then rewritten.
-#[inline(always)]
-fn tcp_rst(ctx: &TcContext, buf: &mut [u8; OUT_LEN], orig_payload: u16) -> Result<(), i64> {
-    let tcp = &mut buf[L4..L4 + TCP_HLEN];
-    load(ctx, L4, tcp)?;
-    let (sport, dport) = ([tcp[0], tcp[1]], [tcp[2], tcp[3]]);
-    let (seq, ack) = ([tcp[4], tcp[5], tcp[6], tcp[7]], [tcp[8], tcp[9], tcp[10], tcp[11]]);
-    let doff = ((tcp[12] >> 4) as u32) * 4;
-    let flags = tcp[13];
-    let mut seg_len = (orig_payload as u32).saturating_sub(doff);
-    if flags & TCP_SYN != 0 {
-        seg_len += 1;
-    }
-    if flags & TCP_FIN != 0 {
-        seg_len += 1;
-    }
-    tcp.fill(0);
-    tcp[0..2].copy_from_slice(&dport);
-    tcp[2..4].copy_from_slice(&sport);
-    if flags & TCP_ACK != 0 {
-        tcp[4..8].copy_from_slice(&ack);
-        tcp[13] = TCP_RST;
-    } else {
-        tcp[8..12].copy_from_slice(&u32::from_be_bytes(seq).wrapping_add(seg_len).to_be_bytes());
-        tcp[13] = TCP_RST | TCP_ACK;
-    }
-    tcp[12] = (TCP_HLEN as u8 / 4) << 4;
-    Ok(())
-}
-
-/// `dst.len()` bytes of the packet from `off`, into `dst` (map memory here):
-/// no copy through the stack. The lengths are constants at every call.
-#[inline(always)]
-fn load(ctx: &TcContext, off: usize, dst: &mut [u8]) -> Result<(), i64> {
-    let ret = unsafe { bpf_skb_load_bytes(ctx.as_ptr(), off as u32, dst.as_mut_ptr() as *mut _, dst.len() as u32) };
-    if ret < 0 { Err(ret) } else { Ok(()) }
 }

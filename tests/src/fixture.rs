@@ -285,3 +285,21 @@ pub fn check_counters(before: &[u64], after: &[u64], want: &[Counter]) -> Result
     }
     if bad.is_empty() { Ok(()) } else { Err(format!("counters: {}", bad.join(", "))) }
 }
+
+/// The reset a TCP stack sends for `segment` (with `payload_len` bytes of
+/// data) when nothing listens, as RFC 793 states it: with the segment's ACK
+/// as its sequence number if it had one, else sequence 0 and an ACK of
+/// everything the segment carried (data, SYN, FIN). The reference the REJECT
+/// fixtures of both families check the datapath's reset against.
+pub fn reset_for(segment: &etherparse::TcpHeader, payload_len: usize) -> etherparse::TcpHeader {
+    let mut rst = etherparse::TcpHeader::new(segment.destination_port, segment.source_port, 0, 0);
+    rst.rst = true;
+    if segment.ack {
+        rst.sequence_number = segment.acknowledgment_number;
+    } else {
+        rst.ack = true;
+        let carried = payload_len as u32 + u32::from(segment.syn) + u32::from(segment.fin);
+        rst.acknowledgment_number = segment.sequence_number.wrapping_add(carried);
+    }
+    rst
+}

@@ -14,7 +14,7 @@ use etherparse::{
     TransportHeader, icmpv4::DestUnreachableHeader, Icmpv4Type,
 };
 use proxy_common::*;
-use proxy_tests::fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, run_table};
+use proxy_tests::fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, reset_for, run_table};
 use proxy_user::{maps::Maps, reconciler::MapWriter};
 
 /// bpf_redirect(): a REJECT goes back out the interface it came in on.
@@ -178,6 +178,13 @@ fn translation_cases() -> Vec<Case> {
             tcp_syn(client, (VIP_EMPTY, 80)),
             TC_ACT_REDIRECT,
             Expect::Translated(reject_of(&tcp_syn(client, (VIP_EMPTY, 80)))),
+            &[Counter::NoBackend, Counter::Rejected],
+        ),
+        Case::new(
+            "TCP data with ACK -> 10.96.0.20:80, no backend: RST whose sequence is the segment's ACK",
+            tcp_data((CLIENT, 40003), (VIP_EMPTY, 80), b"late"),
+            TC_ACT_REDIRECT,
+            Expect::Translated(reject_of(&tcp_data((CLIENT, 40003), (VIP_EMPTY, 80), b"late"))),
             &[Counter::NoBackend, Counter::Rejected],
         ),
     ]
@@ -759,12 +766,9 @@ fn udp(src: Endpoint, dst: Endpoint, payload: &[u8]) -> Vec<u8> {
 /// else ICMP port unreachable; from the dialled address, without DF.
 fn reject_of(frame: &[u8]) -> Vec<u8> {
     let h = PacketHeaders::from_ethernet_slice(frame).unwrap();
-    let Some(TransportHeader::Tcp(syn)) = h.transport else { return icmp_port_unreachable(frame) };
-    let Some(NetHeaders::Ipv4(ip, _)) = h.net else { panic!("IPv4 only") };
-    let mut rst = TcpHeader::new(syn.destination_port, syn.source_port, 0, 0);
-    rst.rst = true;
-    rst.ack = true;
-    rst.acknowledgment_number = syn.sequence_number.wrapping_add(1);
+    let Some(TransportHeader::Tcp(segment)) = &h.transport else { return icmp_port_unreachable(frame) };
+    let Some(NetHeaders::Ipv4(ip, _)) = &h.net else { panic!("IPv4 only") };
+    let rst = reset_for(segment, h.payload.slice().len());
     let mut out = build(|v| {
         PacketBuilder::ethernet2(MAC_DST, MAC_SRC)
             .ipv4(ip.destination, ip.source, 64)

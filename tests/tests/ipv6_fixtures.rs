@@ -11,7 +11,7 @@ use std::net::Ipv6Addr;
 
 use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TcpHeader, TransportHeader, icmpv6::DestUnreachableCode, Icmpv6Type};
 use proxy_common::*;
-use proxy_tests::fixture::{Case, Expect, Fixture, TC_ACT_OK, run_table};
+use proxy_tests::fixture::{Case, Expect, Fixture, TC_ACT_OK, reset_for, run_table};
 use proxy_user::{maps::Maps, reconciler::MapWriter};
 
 /// bpf_redirect(): a REJECT goes back out the interface it came in on.
@@ -158,6 +158,13 @@ fn translation_cases() -> Vec<Case> {
             tcp_syn(client, (VIP_EMPTY, 80)),
             TC_ACT_REDIRECT,
             Expect::Translated(reject_of(&tcp_syn(client, (VIP_EMPTY, 80)))),
+            &[Counter::NoBackend, Counter::Rejected],
+        ),
+        Case::new(
+            "TCP data with ACK -> [fd00:10:96::30]:80, no backend: RST whose sequence is the segment's ACK",
+            tcp_data((CLIENT, 40004), (VIP_EMPTY, 80), b"late"),
+            TC_ACT_REDIRECT,
+            Expect::Translated(reject_of(&tcp_data((CLIENT, 40004), (VIP_EMPTY, 80), b"late"))),
             &[Counter::NoBackend, Counter::Rejected],
         ),
         Case::new(
@@ -409,11 +416,8 @@ fn reject_of(frame: &[u8]) -> Vec<u8> {
     let Some(NetHeaders::Ipv6(ip, _)) = h.net else { panic!("IPv6 only") };
     let back = PacketBuilder::ethernet2(MAC_DST, MAC_SRC).ipv6(ip.destination, ip.source, 64);
     match h.transport {
-        Some(TransportHeader::Tcp(syn)) => {
-            let mut rst = TcpHeader::new(syn.destination_port, syn.source_port, 0, 0);
-            rst.rst = true;
-            rst.ack = true;
-            rst.acknowledgment_number = syn.sequence_number.wrapping_add(1);
+        Some(TransportHeader::Tcp(segment)) => {
+            let rst = reset_for(&segment, h.payload.slice().len());
             build(|v| back.tcp_header(rst).write(v, &[]).unwrap())
         }
         _ => {
