@@ -20,6 +20,17 @@ pub fn replace4(field: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
     (!(sum as u16)).to_be_bytes()
 }
 
+/// A one's complement sum of 16-bit words folded to 16 bits. Two folds
+/// take any u32 there (the first leaves at most 0x1fffe): a fixed count,
+/// because a `while s > 0xffff` loop is an "infinite loop" to verifiers
+/// before 6.3, which cannot bound it.
+#[inline(always)]
+pub fn fold(s: u32) -> u16 {
+    let s = (s & 0xffff) + (s >> 16);
+    let s = (s & 0xffff) + (s >> 16);
+    s as u16
+}
+
 #[cfg(test)]
 mod tests {
     use etherparse::Ipv4Header;
@@ -55,6 +66,16 @@ mod tests {
             let wrong = before.header_checksum.wrapping_add(off);
             let updated = u16::from_be_bytes(replace4(wrong.to_be_bytes(), dst, new));
             prop_assert_ne!(updated, after.header_checksum);
+        }
+
+        /// Two folds equal folding until the carries are gone.
+        #[test]
+        fn fold_matches_the_loop(s: u32) {
+            let mut r = s;
+            while r > 0xffff {
+                r = (r & 0xffff) + (r >> 16);
+            }
+            prop_assert_eq!(fold(s), r as u16);
         }
     }
 

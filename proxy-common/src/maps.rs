@@ -28,6 +28,11 @@ pub const MAP_BACKENDS_EPOCH: &str = "BACKENDS_EPOCH";
 /// a port towards the same backend.
 pub const GLOBAL_SNAT_PORT_MIN: &str = "SNAT_PORT_MIN";
 pub const GLOBAL_SNAT_PORT_MAX: &str = "SNAT_PORT_MAX";
+/// Loader-set globals, 1 where the running kernel has the helper (see the
+/// agent's kernel probes): `bpf_ktime_get_coarse_ns` (Linux 5.11) and, in
+/// the socket hooks, `bpf_set_retval` (5.18).
+pub const GLOBAL_HAS_COARSE_CLOCK: &str = "HAS_COARSE_CLOCK";
+pub const GLOBAL_HAS_SET_RETVAL: &str = "HAS_SET_RETVAL";
 /// Above Linux's default ephemeral range (32768-60999).
 pub const DEFAULT_SNAT_PORTS: (u16, u16) = (61000, 65535);
 

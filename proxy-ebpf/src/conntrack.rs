@@ -1,7 +1,11 @@
 //! Conntrack: an LRU map with one entry per direction of each flow, plus a
 //! third for a masqueraded flow's reply (keyed by the SNAT address and port).
 
-use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_coarse_ns};
+use aya_ebpf::{
+    Global,
+    bindings::BPF_ANY,
+    helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
+};
 use proxy_common::{
     Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, CT_SNAT_REUSE_IDLE_NS, CtEntry,
     CtKey, ServiceEntry,
@@ -12,10 +16,17 @@ use crate::maps::{CONNTRACK, SNAT};
 /// CLOCK_MONOTONIC at the kernel tick's resolution (a few ms): conntrack's
 /// timeouts are seconds, and the fine clock (a TSC read) cost as much as a
 /// checksum update on every established packet. `dump` reads the same clock.
+/// Before Linux 5.11 (no coarse helper) the fine one: the same clock, to
+/// the nanosecond.
 #[inline(always)]
 fn now() -> u64 {
-    unsafe { bpf_ktime_get_coarse_ns() }
+    if HAS_COARSE_CLOCK.load() != 0 { unsafe { bpf_ktime_get_coarse_ns() } } else { unsafe { bpf_ktime_get_ns() } }
 }
+
+/// Set by the agent at load: 1 where bpf_ktime_get_coarse_ns exists. A
+/// read-only constant, so the verifier drops the call a kernel lacks.
+#[unsafe(no_mangle)]
+static HAS_COARSE_CLOCK: Global<u32> = Global::new(1);
 
 /// The entry of a live flow: an entry whose connection closed and then went
 /// quiet counts as gone (TCP flows have no other end in an LRU map).

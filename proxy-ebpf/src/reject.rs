@@ -172,10 +172,4 @@ pub fn sum(bytes: &[u8], init: u32) -> u32 {
     s
 }
 
-#[inline(always)]
-pub fn fold(mut s: u32) -> u16 {
-    while s > 0xffff {
-        s = (s & 0xffff) + (s >> 16);
-    }
-    s as u16
-}
+pub use proxy_common::csum::fold;

@@ -10,7 +10,7 @@
 //! address dialled on an IPv6 socket is the IPv4 frontend, as in the maps.
 
 use aya_ebpf::{
-    EbpfContext,
+    EbpfContext, Global,
     bindings::BPF_ANY,
     helpers::{bpf_get_socket_cookie, bpf_set_retval},
     programs::SockAddrContext,
@@ -27,6 +27,12 @@ use crate::{
 const PROCEED: i32 = 1;
 const FAIL: i32 = 0;
 const ECONNREFUSED: i32 = 111;
+
+/// Set by the agent at load: 1 where the kernel has bpf_set_retval for these
+/// hooks (Linux 5.18+). Elsewhere a refused connect() fails with EPERM, the
+/// only errno a hook can give there; the verifier drops the dead call.
+#[unsafe(no_mangle)]
+static HAS_SET_RETVAL: Global<u32> = Global::new(1);
 
 /// Which address field of the context a hook uses.
 #[derive(Clone, Copy)]
@@ -57,6 +63,20 @@ fn user_addr(s: &aya_ebpf::bindings::bpf_sock_addr, family: Family) -> Addr {
     }
 }
 
+/// The port field (network order in its low 16 bits), read whole: kernels
+/// before 5.17 refuse a narrower load of `user_port`, which `as u16` on a
+/// plain field read lets the compiler emit.
+#[inline(always)]
+fn user_port(s: &aya_ebpf::bindings::bpf_sock_addr) -> u16 {
+    unsafe { core::ptr::read_volatile(&s.user_port) as u16 }
+}
+
+/// `protocol`, read whole for the same reason.
+#[inline(always)]
+fn protocol(s: &aya_ebpf::bindings::bpf_sock_addr) -> u8 {
+    unsafe { core::ptr::read_volatile(&s.protocol) as u8 }
+}
+
 #[inline(always)]
 fn set_user_addr(s: &mut aya_ebpf::bindings::bpf_sock_addr, family: Family, addr: &Addr) {
     match family {
@@ -73,9 +93,9 @@ fn set_user_addr(s: &mut aya_ebpf::bindings::bpf_sock_addr, family: Family, addr
 #[inline(always)]
 pub fn translate(ctx: &SockAddrContext, family: Family) -> i32 {
     let s = sock(ctx);
-    let proto = s.protocol as u8;
+    let proto = protocol(s);
     let addr = user_addr(s, family);
-    let port = s.user_port as u16;
+    let port = user_port(s);
     let tuple = proxy_common::CtKey { src: Addr::default(), dst: addr, sport: 0, dport: port, proto, _pad: [0; 3] };
     // The node counts as in-cluster: for externalTrafficPolicy=Local frontends
     // it reaches every endpoint, as kube-proxy sends local traffic.
@@ -104,8 +124,8 @@ pub fn reverse(ctx: &SockAddrContext, family: Family) -> i32 {
     let key = SockRevKey {
         cookie: cookie(ctx),
         addr: user_addr(s, family),
-        port: s.user_port as u16,
-        proto: s.protocol as u8,
+        port: user_port(s),
+        proto: protocol(s),
         _pad: [0; 5],
     };
     if let Some(frontend) = unsafe { SOCK_REVNAT.get(&key) } {
@@ -123,6 +143,8 @@ fn cookie(ctx: &SockAddrContext) -> u64 {
 /// kube-proxy's REJECT as the caller sees it: ECONNREFUSED.
 #[inline(always)]
 fn refuse() -> i32 {
-    unsafe { bpf_set_retval(-ECONNREFUSED) };
+    if HAS_SET_RETVAL.load() != 0 {
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
+    }
     FAIL
 }

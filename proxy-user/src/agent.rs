@@ -13,13 +13,14 @@ use tokio::{
 use tracing::{error, info, warn};
 
 use crate::{
-    attach::Attacher,
+    attach::{self, Attacher},
     cgroup,
     cli::RunArgs,
     health::{self, Health},
     healthcheck::{self, HealthCheckServers},
     maps::{self, Maps},
     incremental::{self, Update},
+    kernel,
     metrics::{self, Metrics, TriggerTimes},
     model::{ModelConfig, ObjectError},
     node_addrs::{self, NodeAddrs},
@@ -44,8 +45,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
         }
     };
 
+    let features = kernel::probe()?;
     let snat_ports = snat_ports::for_this_node()?;
-    let (mut ebpf, mut maps) = maps::load_with_snat_ports(&args.bpffs_root, snat_ports.clone())?;
+    let (mut ebpf, mut maps) = maps::load_with_snat_ports(&args.bpffs_root, snat_ports.clone(), &features)?;
     let held = maps.read_contents().context("read pinned maps")?;
     info!(
         bpffs_root = %args.bpffs_root.display(),
@@ -56,8 +58,26 @@ pub async fn run(args: RunArgs) -> Result<()> {
     );
     let mut reconciler = Reconciler::adopt(held);
 
-    cgroup::attach_or_warn(&mut ebpf, &args.bpffs_root, args.cgroup_root.as_deref())?;
-    let attacher = Attacher::new(ebpf, &args.bpffs_root, args.devices.clone())?;
+    // Every program through the verifier before any is attached: a kernel
+    // that refuses one leaves the node as it was, never half-attached.
+    for (program, _, _) in attach::HOOKS {
+        maps::load_tc(&mut ebpf, program)?;
+    }
+    let cgroup_root = cgroup::resolve_root_or_warn(args.cgroup_root.as_deref())?;
+    if cgroup_root.is_some() {
+        cgroup::load(&mut ebpf)?;
+    }
+    let mode = attach::choose_mode(&mut ebpf, args.tc_attach)?;
+    info!(
+        tc_attach = mode.name(),
+        coarse_clock = features.coarse_clock,
+        sock_set_retval = features.sock_set_retval,
+        "kernel probed, programs loaded"
+    );
+    if let Some(root) = &cgroup_root {
+        cgroup::attach(&mut ebpf, &args.bpffs_root, root)?;
+    }
+    let attacher = Attacher::new(ebpf, mode, &args.bpffs_root, args.devices.clone())?;
     let (ready_tx, ready_rx) = oneshot::channel();
     let mut attach_task = tokio::spawn(attacher.run(ready_tx));
     if ready_rx.await.is_err() {
@@ -65,6 +85,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     }
 
     let health = Health::default();
+    health.set_tc_attach(mode.name());
     health::serve(args.healthz_bind_address, health.clone()).await?;
     let mut health_checks = HealthCheckServers::new(health.clone());
     let metrics = Metrics::new(&args.bpffs_root);

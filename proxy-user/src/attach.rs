@@ -1,9 +1,15 @@
 //! Keeps the TC programs attached at ingress (translation) and egress
 //! (masquerade) of every node interface (or the `--devices` ones), including
-//! interfaces that appear later, such as the veth of a new pod. Links are TCX
-//! links pinned under `<bpffs-root>/links` as `<hook>-<ifindex>`, so they
-//! outlive the agent, and a restarted agent swaps its programs into them
-//! atomically.
+//! interfaces that appear later, such as the veth of a new pod.
+//!
+//! Two ways, one promise: the programs outlive the agent, and a restarted
+//! agent swaps its programs in atomically (never a moment with none or two).
+//! - TCX (Linux 6.6+, found by probing): links pinned under
+//!   `<bpffs-root>/links` as `<hook>-<ifindex>`; a restart updates the link.
+//! - Elsewhere, a cls_bpf filter in the interface's clsact qdisc, added over
+//!   netlink at a fixed priority and handle (`NETLINK_PRIORITY`,
+//!   `NETLINK_HANDLE`); a restart replaces that filter's program in place.
+//!   Filters belong to the interface, so nothing is pinned for them.
 
 use std::{
     collections::BTreeMap,
@@ -14,8 +20,9 @@ use anyhow::{Context, Result};
 use aya::{
     Ebpf,
     programs::{
-        LinkOrder, SchedClassifier, TcAttach, TcAttachType,
-        links::{FdLink, PinnedLink},
+        LinkOrder, ProgramError, SchedClassifier, TcAttach, TcAttachType,
+        links::{FdLink, Link, PinnedLink},
+        tc::{self, NlOptions, SchedClassifierLink, TcHandle},
     },
 };
 use futures::{StreamExt, TryStreamExt};
@@ -26,14 +33,88 @@ use netlink_packet_route::{
 use rtnetlink::{MulticastGroup, new_multicast_connection};
 use tracing::{debug, info, warn};
 
-use crate::maps::{TC_EGRESS, TC_INGRESS, links_dir};
+use crate::{
+    cli::TcAttachMode,
+    maps::{TC_EGRESS, TC_INGRESS, links_dir},
+};
 
 /// Each program, the hook it runs at, and the prefix of its link pins.
 pub const HOOKS: [(&str, TcAttachType, &str); 2] =
     [(TC_INGRESS, TcAttachType::Ingress, "ingress"), (TC_EGRESS, TcAttachType::Egress, "egress")];
 
+/// Where our cls_bpf filter sits in each clsact hook (`tc filter show dev
+/// IFACE ingress` shows `pref 1000 ... handle 0xeb tc_ingress`): fixed, so
+/// the next agent, and `cleanup`, find it.
+pub const NETLINK_PRIORITY: u16 = 1000;
+pub const NETLINK_HANDLE: u32 = 0xeb;
+
+/// How the TC programs are held on the interfaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttachMode {
+    Tcx,
+    Netlink,
+}
+
+impl AttachMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttachMode::Tcx => "tcx",
+            AttachMode::Netlink => "netlink",
+        }
+    }
+}
+
+/// `--tc-attach`, given what the kernel has. Needs `tc_ingress` loaded.
+pub fn choose_mode(ebpf: &mut Ebpf, wanted: TcAttachMode) -> Result<AttachMode> {
+    let prog: &mut SchedClassifier = ebpf.program_mut(TC_INGRESS).context("tc_ingress missing")?.try_into()?;
+    let tcx = has_tcx(prog);
+    Ok(match wanted {
+        TcAttachMode::Auto if tcx => AttachMode::Tcx,
+        TcAttachMode::Auto | TcAttachMode::Netlink => AttachMode::Netlink,
+        TcAttachMode::Tcx if tcx => AttachMode::Tcx,
+        TcAttachMode::Tcx => anyhow::bail!("--tc-attach tcx: this kernel has no TCX links (Linux 6.6 or a backport); use auto or netlink"),
+    })
+}
+
+/// Whether the kernel has TCX: it knows the attach type and then looks for
+/// the interface, so an index no interface has fails with ENODEV; a kernel
+/// without TCX refuses the attach type itself (EINVAL).
+fn has_tcx(prog: &mut SchedClassifier) -> bool {
+    match prog.attach(u32::MAX, TcAttach::Tcx { attach_type: TcAttachType::Ingress, order: LinkOrder::default() }) {
+        Ok(id) => {
+            let _ = prog.detach(id);
+            true
+        }
+        Err(ProgramError::SyscallError(e)) => e.io_error.raw_os_error() == Some(libc::ENODEV),
+        Err(e) => {
+            debug!("TCX probe: {e}");
+            false
+        }
+    }
+}
+
+/// The netlink filter of `attach_type` on `ifindex`, as a link aya can
+/// replace the program of or detach.
+fn netlink_filter(ifindex: u32, attach_type: TcAttachType) -> Result<SchedClassifierLink> {
+    Ok(SchedClassifierLink::attached(ifindex, attach_type.into(), NETLINK_PRIORITY, TcHandle::from(NETLINK_HANDLE), None)?)
+}
+
+/// Removes our netlink filters from an interface (absent ones are fine);
+/// returns how many there were.
+pub fn detach_netlink_filters(ifindex: u32) -> usize {
+    HOOKS.iter().filter(|(_, attach_type, _)| netlink_filter(ifindex, *attach_type).is_ok_and(|l| l.detach().is_ok())).count()
+}
+
+/// A link taken out of aya's bookkeeping, whose drop would detach it: the
+/// attachment must outlive the agent.
+fn keep_attached(link: SchedClassifierLink) {
+    std::mem::forget(link);
+}
+
 pub struct Attacher {
     ebpf: Ebpf,
+    mode: AttachMode,
+    root: PathBuf,
     links: PathBuf,
     /// Only these interfaces; `None`: every non-loopback interface.
     devices: Option<Vec<String>>,
@@ -41,13 +122,11 @@ pub struct Attacher {
 }
 
 impl Attacher {
-    pub fn new(mut ebpf: Ebpf, root: &Path, devices: Option<Vec<String>>) -> Result<Self> {
-        for (program, _, _) in HOOKS {
-            crate::maps::load_tc(&mut ebpf, program)?;
-        }
+    /// `ebpf` with the TC programs loaded (`maps::load_tc`).
+    pub fn new(ebpf: Ebpf, mode: AttachMode, root: &Path, devices: Option<Vec<String>>) -> Result<Self> {
         let links = links_dir(root);
         std::fs::create_dir_all(&links).with_context(|| format!("create {}", links.display()))?;
-        Ok(Attacher { ebpf, links, devices, attached: BTreeMap::new() })
+        Ok(Attacher { ebpf, mode, root: root.to_path_buf(), links, devices, attached: BTreeMap::new() })
     }
 
     fn wanted(&self, link: &LinkMessage) -> Option<String> {
@@ -73,15 +152,64 @@ impl Attacher {
         }
         for (program, attach_type, hook) in HOOKS {
             let adopted = self.attach_one(program, attach_type, hook, ifindex, name)?;
-            info!(interface = %name, ifindex, hook, adopted, "attached");
+            info!(interface = %name, ifindex, hook, adopted, mode = self.mode.name(), "attached");
         }
         self.attached.insert(ifindex, name.to_string());
         Ok(())
     }
 
-    /// Attaches, or atomically replaces the program in a link a previous agent
-    /// pinned (true: adopted).
+    /// Attaches, or atomically replaces the program a previous agent left
+    /// (true: adopted). What a previous agent in the other mode left goes
+    /// once ours runs (for a moment both run: the second sees translated
+    /// packets, which match no frontend, and passes them).
     fn attach_one(&mut self, program: &str, attach_type: TcAttachType, hook: &str, ifindex: u32, name: &str) -> Result<bool> {
+        match self.mode {
+            AttachMode::Tcx => {
+                let adopted = self.attach_tcx(program, attach_type, hook, ifindex, name)?;
+                if let Ok(link) = netlink_filter(ifindex, attach_type) {
+                    let _ = link.detach();
+                }
+                Ok(adopted)
+            }
+            AttachMode::Netlink => {
+                let adopted = self.attach_netlink(program, attach_type, ifindex, name)?;
+                let _ = std::fs::remove_file(self.pin_path(hook, ifindex));
+                Ok(adopted)
+            }
+        }
+    }
+
+    fn attach_netlink(&mut self, program: &str, attach_type: TcAttachType, ifindex: u32, name: &str) -> Result<bool> {
+        // The clsact qdisc may hold others' filters too: one we add is
+        // recorded, so `cleanup` removes it (only if nobody else uses it).
+        match tc::qdisc_add_clsact(ifindex) {
+            Ok(()) => crate::clsact::record_added(&self.root, ifindex)?,
+            Err(tc::TcError::NetlinkError(n)) if n.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => return Err(anyhow::Error::new(e).context(format!("add the clsact qdisc to {name} (ifindex {ifindex})"))),
+        }
+        let prog: &mut SchedClassifier = self.ebpf.program_mut(program).unwrap().try_into()?;
+        // Our filter from a previous agent: the program is replaced in place.
+        let adopted = match netlink_filter(ifindex, attach_type).and_then(|l| Ok(prog.attach_to_link(l)?)) {
+            Ok(id) => {
+                keep_attached(prog.take_link(id)?);
+                true
+            }
+            Err(e) => {
+                debug!(%name, ?attach_type, error = %e, "no filter of ours to replace");
+                false
+            }
+        };
+        if !adopted {
+            let options = NlOptions { priority: NETLINK_PRIORITY, handle: TcHandle::from(NETLINK_HANDLE), classid: None };
+            let id = prog
+                .attach(ifindex, TcAttach::Netlink { parent: attach_type.into(), options })
+                .with_context(|| format!("attach {program} to {name} (ifindex {ifindex}) over netlink"))?;
+            keep_attached(prog.take_link(id)?);
+        }
+        Ok(adopted)
+    }
+
+    fn attach_tcx(&mut self, program: &str, attach_type: TcAttachType, hook: &str, ifindex: u32, name: &str) -> Result<bool> {
         let pin = self.pin_path(hook, ifindex);
         let prog: &mut SchedClassifier = self.ebpf.program_mut(program).unwrap().try_into()?;
         let adopted = match PinnedLink::from_pin(&pin) {
@@ -108,6 +236,7 @@ impl Attacher {
 
     /// The kernel detached the link with the interface; drop our pin.
     fn forget(&mut self, ifindex: u32) {
+        crate::clsact::forget(&self.root, ifindex);
         if let Some(name) = self.attached.remove(&ifindex) {
             for (_, _, hook) in HOOKS {
                 let _ = std::fs::remove_file(self.pin_path(hook, ifindex));

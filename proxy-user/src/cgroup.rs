@@ -50,15 +50,26 @@ pub fn resolve_root(flag: Option<&Path>) -> Result<PathBuf> {
     )
 }
 
-/// Loads and attaches the socket hooks, adopting links a previous agent pinned.
+/// Loads the socket hooks (through the verifier), all before any is
+/// attached: a kernel that refuses one gets none.
+pub fn load(ebpf: &mut Ebpf) -> Result<()> {
+    for name in SOCK_PROGRAMS {
+        program(ebpf, name)?.load().map_err(|e| crate::kernel::rejected(name, &e))?;
+    }
+    Ok(())
+}
+
+fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut CgroupSockAddr> {
+    Ok(ebpf.program_mut(name).with_context(|| format!("{name} missing from the BPF object"))?.try_into()?)
+}
+
+/// Attaches the loaded socket hooks, adopting links a previous agent pinned.
 pub fn attach(ebpf: &mut Ebpf, bpffs_root: &Path, cgroup_root: &Path) -> Result<()> {
     let cgroup = std::fs::File::open(cgroup_root).with_context(|| format!("--cgroup-root {}", cgroup_root.display()))?;
     let links = links_dir(bpffs_root);
     std::fs::create_dir_all(&links)?;
     for name in SOCK_PROGRAMS {
-        let prog: &mut CgroupSockAddr =
-            ebpf.program_mut(name).with_context(|| format!("{name} missing from the BPF object"))?.try_into()?;
-        prog.load().map_err(|e| anyhow::anyhow!("the kernel rejected {name}: {e}"))?;
+        let prog = program(ebpf, name)?;
         let pin = links.join(format!("cgroup-{name}"));
         let adopted = PinnedLink::from_pin(&pin)
             .ok()
@@ -76,13 +87,14 @@ pub fn attach(ebpf: &mut Ebpf, bpffs_root: &Path, cgroup_root: &Path) -> Result<
     Ok(())
 }
 
-/// As `attach`, but a node without cgroup v2 still gets the TC datapath.
-pub fn attach_or_warn(ebpf: &mut Ebpf, bpffs_root: &Path, flag: Option<&Path>) -> Result<()> {
+/// As `resolve_root`, but a node without cgroup v2 still gets the TC
+/// datapath (None), unless `--cgroup-root` named a directory.
+pub fn resolve_root_or_warn(flag: Option<&Path>) -> Result<Option<PathBuf>> {
     match resolve_root(flag) {
-        Ok(root) => attach(ebpf, bpffs_root, &root),
+        Ok(root) => Ok(Some(root)),
         Err(e) if flag.is_none() => {
             warn!("{e:#}; services are not translated for processes on the node itself");
-            Ok(())
+            Ok(None)
         }
         Err(e) => Err(e),
     }

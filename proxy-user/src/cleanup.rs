@@ -1,6 +1,7 @@
 //! `ebpf-proxy cleanup`: unpins the agent's program links and its maps,
-//! waits until the kernel has really let go of each link, then removes the
-//! directory if it is left empty. Nothing the agent did not create is
+//! removes its netlink filters (kernels without TCX) from every interface of
+//! this network namespace, waits until the kernel has really let go of each
+//! link, then removes the directory if it is left empty. Nothing the agent did not create is
 //! touched: only pins in `<root>/links` (a directory only the agent writes)
 //! and the maps the agent pins by name; anything else is reported and left.
 //!
@@ -79,6 +80,11 @@ pub fn cleanup(root: &Path) -> Result<()> {
         );
     }
 
+    let filters = remove_netlink_filters();
+    let qdiscs = crate::clsact::remove_unused(root)?;
+    if filters + qdiscs > 0 {
+        println!("removed {filters} netlink filters and {qdiscs} clsact qdiscs the agent had added");
+    }
     let mut removed = 0;
     let mut unpinned = Vec::new();
     for (path, info) in pins {
@@ -109,6 +115,15 @@ pub fn cleanup(root: &Path) -> Result<()> {
         println!("removed {removed} pinned objects under {}", root.display());
     }
     wait_released(&unpinned)
+}
+
+/// Our cls_bpf filters (attach::NETLINK_PRIORITY/HANDLE) on every interface
+/// of this network namespace, where the agent attached them on a kernel
+/// without TCX. The clsact qdisc stays: it may hold others' filters, and an
+/// empty one costs nothing. Returns how many were removed.
+fn remove_netlink_filters() -> usize {
+    let Ok(interfaces) = nix::net::if_::if_nameindex() else { return 0 };
+    interfaces.iter().map(|i| crate::attach::detach_netlink_filters(i.index())).sum()
 }
 
 /// The kernel IDs of our pinned objects.

@@ -53,6 +53,13 @@ pub enum Command {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TcAttachMode {
+    Auto,
+    Tcx,
+    Netlink,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DumpWhat {
     Services,
     Backends,
@@ -105,4 +112,8 @@ pub struct RunArgs {
     /// --iptables-localhost-nodeports), if --node-port-addresses admits it.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub localhost_nodeports: bool,
+    /// How the TC programs are attached: `auto` probes for TCX links (Linux
+    /// 6.6+, and backports) and falls back to clsact filters over netlink.
+    #[arg(long, value_enum, default_value = "auto", env = "EBPF_PROXY_TC_ATTACH")]
+    pub tc_attach: TcAttachMode,
 }

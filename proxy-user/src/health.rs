@@ -31,6 +31,8 @@ struct Status {
     oldest_pending: Option<SystemTime>,
     node_eligible: bool,
     timeout: Duration,
+    /// How the TC programs are attached (`tcx` or `netlink`), once known.
+    tc_attach: Option<&'static str>,
 }
 
 #[derive(Clone)]
@@ -52,7 +54,13 @@ pub fn node_eligible(node: Option<&Node>) -> bool {
 
 impl Health {
     pub fn with_timeout(timeout: Duration) -> Self {
-        Health(Arc::new(Mutex::new(Status { last_updated: None, oldest_pending: None, node_eligible: true, timeout })))
+        Health(Arc::new(Mutex::new(Status {
+            last_updated: None,
+            oldest_pending: None,
+            node_eligible: true,
+            timeout,
+            tc_attach: None,
+        })))
     }
 
     /// A change arrived that the next sync must program.
@@ -73,6 +81,10 @@ impl Health {
         self.0.lock().unwrap().node_eligible = eligible;
     }
 
+    pub fn set_tc_attach(&self, mode: &'static str) {
+        self.0.lock().unwrap().tc_attach = Some(mode);
+    }
+
     fn healthy_at(s: &Status, now: SystemTime) -> bool {
         let waiting_too_long = s.oldest_pending.is_some_and(|t| now.duration_since(t).unwrap_or_default() >= s.timeout);
         s.last_updated.is_some() && !waiting_too_long
@@ -90,6 +102,7 @@ impl Health {
             last_updated: s.last_updated.map(rfc3339).unwrap_or_default(),
             current_time: rfc3339(now),
             node_eligible: s.node_eligible,
+            tc_attach: s.tc_attach,
         };
         (code, Json(body))
     }
@@ -101,6 +114,9 @@ struct Body {
     last_updated: String,
     current_time: String,
     node_eligible: bool,
+    /// Ours, beside kube-proxy's fields: `tcx` or `netlink`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tc_attach: Option<&'static str>,
 }
 
 fn rfc3339(t: SystemTime) -> String {
@@ -144,6 +160,9 @@ mod tests {
         let (code, Json(body)) = h.answer_at(now, true);
         assert_eq!(code, StatusCode::OK);
         assert!(body.last_updated.ends_with('Z') && body.node_eligible);
+        assert_eq!(serde_json::to_value(&body).unwrap().get("tcAttach"), None, "unknown until attached");
+        h.set_tc_attach("netlink");
+        assert_eq!(serde_json::to_value(&h.answer_at(now, true).1.0).unwrap()["tcAttach"], "netlink");
 
         // A change whose syncs fail: still healthy within the timeout, not after.
         h.queued_update();

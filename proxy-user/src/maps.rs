@@ -16,7 +16,10 @@ use aya::{
 use ipnet::IpNet;
 use proxy_common::*;
 
-use crate::reconciler::{Contents, MapWriter};
+use crate::{
+    kernel::Features,
+    reconciler::{Contents, MapWriter},
+};
 
 /// The compiled datapath, built by aya-build from proxy-ebpf.
 pub static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
@@ -52,7 +55,7 @@ pub fn load_tc(ebpf: &mut Ebpf, name: &str) -> Result<()> {
     let load = |ebpf: &mut Ebpf, name: &str| -> Result<ProgramFd> {
         let prog: &mut SchedClassifier =
             ebpf.program_mut(name).with_context(|| format!("TC program {name} missing from the BPF object"))?.try_into()?;
-        prog.load().map_err(|e| anyhow::anyhow!("the kernel rejected the TC program {name}: {e}"))?;
+        prog.load().map_err(|e| crate::kernel::rejected(name, &e))?;
         Ok(prog.fd()?.try_clone()?)
     };
     load(ebpf, name)?;
@@ -113,17 +116,22 @@ fn load_error(e: aya::EbpfError, root: &Path) -> anyhow::Error {
 /// Loads the programs; maps already pinned under `root` are reused, so a
 /// restart keeps services, backends and conntrack.
 pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
-    load_with_snat_ports(root, DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1)
+    load_with_snat_ports(root, DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1, &crate::kernel::probe()?)
 }
 
-/// As `load`, with the source ports masquerade may use (see snat_ports).
-pub fn load_with_snat_ports(root: &Path, snat_ports: RangeInclusive<u16>) -> Result<(Ebpf, Maps)> {
+/// As `load`, with the source ports masquerade may use (see snat_ports) and
+/// the kernel's optional features.
+pub fn load_with_snat_ports(root: &Path, snat_ports: RangeInclusive<u16>, features: &Features) -> Result<(Ebpf, Maps)> {
     ensure_bpffs(root)?;
     let (min, max) = (u32::from(*snat_ports.start()), u32::from(*snat_ports.end()));
+    let coarse_clock = u32::from(features.coarse_clock);
+    let set_retval = u32::from(features.sock_set_retval);
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(root)
         .override_global(GLOBAL_SNAT_PORT_MIN, &min, true)
         .override_global(GLOBAL_SNAT_PORT_MAX, &max, true)
+        .override_global(GLOBAL_HAS_COARSE_CLOCK, &coarse_clock, true)
+        .override_global(GLOBAL_HAS_SET_RETVAL, &set_retval, true)
         .load(BPF_OBJECT)
         .map_err(|e| load_error(e, root))?;
     let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the BPF object"));

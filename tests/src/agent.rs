@@ -130,6 +130,14 @@ impl Agent {
         }
     }
 
+    /// How the agent attached its TC programs (`tcx` or `netlink`), as
+    /// /healthz reports it.
+    pub fn tc_attach(&self, node: &Netns) -> Result<String> {
+        let (_, body) = healthz_get(node, self.healthz)?.context("nothing listens on the healthz address")?;
+        let json: serde_json::Value = serde_json::from_str(&body).with_context(|| format!("/healthz body: {body}"))?;
+        Ok(json["tcAttach"].as_str().with_context(|| format!("no tcAttach in /healthz: {body}"))?.to_string())
+    }
+
     /// GET /metrics: each sample line as `name{labels}` -> value.
     pub fn scrape(&self, node: &Netns) -> Result<std::collections::BTreeMap<String, f64>> {
         let (status, body) = http_get(node, self.metrics, "/metrics")?.context("nothing listens on the metrics address")?;
@@ -219,23 +227,14 @@ pub fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> Resu
     }
 }
 
-/// Whether a TCX ingress program is attached to `ifname` in `node`.
+/// Whether a TC program is attached at ingress of `ifname` in `node`.
 pub fn tc_attached(node: &Netns, ifname: &str) -> Result<bool> {
-    tcx_attached(node, ifname, aya::programs::TcAttachType::Ingress)
+    crate::hooks::attached(node, ifname, aya::programs::TcAttachType::Ingress)
 }
 
-/// Whether any TCX program is attached at egress of `ifname` in `node`.
+/// Whether any TC program is attached at egress of `ifname` in `node`.
 pub fn tc_attached_egress(node: &Netns, ifname: &str) -> Result<bool> {
-    tcx_attached(node, ifname, aya::programs::TcAttachType::Egress)
-}
-
-fn tcx_attached(node: &Netns, ifname: &str, attach_type: aya::programs::TcAttachType) -> Result<bool> {
-    let name = std::ffi::CString::new(ifname)?;
-    node.run(move || {
-        aya::programs::SchedClassifier::query_tcx(name.as_c_str(), attach_type)
-            .map(|(_, progs)| !progs.is_empty())
-            .map_err(anyhow::Error::from)
-    })?
+    crate::hooks::attached(node, ifname, aya::programs::TcAttachType::Egress)
 }
 
 /// `ebpf-proxy dump <what> -o json` against a bpffs root.

@@ -16,6 +16,7 @@ pub mod echo;
 pub mod fake_api;
 pub mod fixture;
 pub mod flows;
+pub mod hooks;
 pub mod manifests;
 pub mod netns;
 pub mod sctp;

@@ -1,20 +1,21 @@
 //! `ebpf-proxy cleanup` refuses while the agent runs; after it stopped
-//! (having attached to several veths): no TCX
+//! (having attached to several veths, by TCX links or netlink filters): no
 //! program of ours on any interface, no qdisc of ours, no pinned path, our
 //! programs and maps gone from the kernel; what others installed (a clsact
 //! qdisc, a directory on the bpffs, even inside our root) stays; a second
 //! run is a no-op that says so.
 
-use std::{collections::BTreeSet, ffi::CString, net::Ipv4Addr, path::Path, time::Duration};
+use std::{collections::BTreeSet, net::Ipv4Addr, path::Path, time::Duration};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use aya::{
     maps::{MapData, loaded_maps},
-    programs::{SchedClassifier, TcAttachType, loaded_programs},
+    programs::{TcAttachType, loaded_programs},
 };
 use proxy_tests::{
     agent::{Agent, agent_bin, wait_until},
     bpffs::Bpffs,
+    hooks,
     is_root,
     manifests::echo_service,
     netns::Netns,
@@ -33,18 +34,16 @@ fn interfaces(ns: &Netns) -> Result<Vec<String>> {
         .collect())
 }
 
-/// IDs of the TCX programs on `ifname`, ingress and egress.
-fn tcx_programs(ns: &Netns, ifname: &str) -> Result<Vec<u32>> {
-    let name = CString::new(ifname)?;
-    ns.run(move || -> Result<Vec<u32>> {
-        let mut ids = Vec::new();
-        for hook in [TcAttachType::Ingress, TcAttachType::Egress] {
-            let (_, progs) = SchedClassifier::query_tcx(name.as_c_str(), hook)?;
-            ids.extend(progs.iter().map(|p| p.id()));
-        }
-        Ok(ids)
-    })?
-    .with_context(|| format!("query TCX on {ifname}"))
+/// IDs of the TC programs on `ifname`, ingress and egress.
+fn tc_programs(ns: &Netns, ifname: &str) -> Result<Vec<u32>> {
+    let mut ids = hooks::programs(ns, ifname, TcAttachType::Ingress)?;
+    ids.extend(hooks::programs(ns, ifname, TcAttachType::Egress)?);
+    Ok(ids)
+}
+
+/// Link pins of TC programs (the others are the socket hooks').
+fn tc_link_pins(root: &Path) -> Result<usize> {
+    Ok(std::fs::read_dir(root.join("links"))?.flatten().filter(|e| !e.file_name().to_string_lossy().starts_with("cgroup-")).count())
 }
 
 fn qdiscs(ns: &Netns, ifname: &str) -> Result<String> {
@@ -53,8 +52,10 @@ fn qdiscs(ns: &Netns, ifname: &str) -> Result<String> {
     Ok(String::from_utf8(out.stdout)?)
 }
 
-fn cleanup(root: &Path) -> Result<String> {
-    let out = std::process::Command::new(agent_bin()).args(["cleanup", "--bpffs-root"]).arg(root).output()?;
+/// `ebpf-proxy cleanup` on the node, as an operator runs it: netlink
+/// filters belong to the node's interfaces.
+fn cleanup(node: &Netns, root: &Path) -> Result<String> {
+    let out = node.command(agent_bin().to_str().unwrap()).args(["cleanup", "--bpffs-root"]).arg(root).output()?;
     anyhow::ensure!(out.status.success(), "cleanup: {}", String::from_utf8_lossy(&out.stderr));
     Ok(String::from_utf8(out.stdout)?)
 }
@@ -77,44 +78,58 @@ fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
     std::fs::write(dir.path().join("echo.yaml"), echo_service("demo", "echo", CLUSTER_IP, &[pods[1].ip, pods[2].ip]))?;
     let mut agent = Agent::start(&node.ns, dir.path(), &root, &[])?;
     agent.wait_healthy(&node.ns, Duration::from_secs(10))?;
+    let tcx = agent.tc_attach(&node.ns)? == "tcx";
 
     // What the agent installed: a program on each hook of every veth, its
-    // pinned maps, one pinned link per program attached.
+    // pinned maps, and with TCX one pinned link per program attached (with
+    // netlink filters, none: they belong to the interface).
     let mut programs = BTreeSet::new();
     let mut attached = 0;
     for p in &pods {
-        let ids = tcx_programs(&node.ns, &p.host_if)?;
+        let ids = tc_programs(&node.ns, &p.host_if)?;
         assert_eq!(ids.len(), HOOKS.len(), "our programs on {}: {ids:?}", p.host_if);
         attached += ids.len();
         programs.extend(ids);
     }
     let link_pins = std::fs::read_dir(root.join("links"))?.count();
-    assert!(link_pins >= attached, "{link_pins} link pins for {attached} attachments");
+    let tc_pins = tc_link_pins(&root)?;
+    if tcx {
+        assert!(tc_pins >= attached, "{tc_pins} TC link pins for {attached} attachments");
+    } else {
+        assert_eq!(tc_pins, 0, "TC link pins with netlink filters");
+    }
     let maps: BTreeSet<u32> = PINNED_MAPS
         .iter()
         .map(|m| Ok(MapData::from_pin(root.join(m))?.info()?.id()))
         .collect::<Result<_>>()?;
     // While the agent runs it holds its links: cleanup refuses and touches nothing.
-    let out = std::process::Command::new(agent_bin()).args(["cleanup", "--bpffs-root"]).arg(&root).output()?;
+    let out = node.ns.command(agent_bin().to_str().unwrap()).args(["cleanup", "--bpffs-root"]).arg(&root).output()?;
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "cleanup with the agent running: {err}");
     assert!(err.contains("ebpf-proxy (pid ") && err.contains("stop the agent first (nothing was removed)"), "{err}");
     assert_eq!(std::fs::read_dir(root.join("links"))?.count(), link_pins, "pins after the refused cleanup");
     for p in &pods {
-        assert_eq!(tcx_programs(&node.ns, &p.host_if)?.len(), HOOKS.len(), "programs on {} after the refused cleanup", p.host_if);
+        assert_eq!(tc_programs(&node.ns, &p.host_if)?.len(), HOOKS.len(), "programs on {} after the refused cleanup", p.host_if);
     }
     agent.stop()?;
 
-    let said = cleanup(&root)?;
+    let said = cleanup(&node.ns, &root)?;
     let pins = link_pins + PINNED_MAPS.len();
     assert!(said.contains(&format!("removed {pins} pinned objects under {}", root.display())), "{said}");
     assert!(said.contains(&format!("released {link_pins} program links")), "{said}");
+    if !tcx {
+        // Two filters on every interface but lo; a qdisc added to each but
+        // the one that had someone else's.
+        let attached_to = interfaces(&node.ns)?.len() - 1;
+        let (filters, qdiscs) = (attached_to * HOOKS.len(), attached_to - 1);
+        assert!(said.contains(&format!("removed {filters} netlink filters and {qdiscs} clsact qdiscs")), "{said}");
+    }
 
     assert!(!root.exists(), "{} still exists", root.display());
     let all = interfaces(&node.ns)?;
     assert!(all.len() > pods.len() && all.contains(&"lo".to_string()), "interfaces: {all:?}");
     for ifname in all {
-        assert_eq!(tcx_programs(&node.ns, &ifname)?, Vec::<u32>::new(), "TCX programs left on {ifname}");
+        assert_eq!(tc_programs(&node.ns, &ifname)?, Vec::<u32>::new(), "TC programs left on {ifname}");
         let q = qdiscs(&node.ns, &ifname)?;
         if ifname == pods[0].host_if {
             assert_eq!(q, foreign_qdisc, "someone else's clsact qdisc on {ifname} was touched");
@@ -131,13 +146,13 @@ fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
     })?;
 
     // Again: nothing to do, and it says so.
-    let said = cleanup(&root)?;
+    let said = cleanup(&node.ns, &root)?;
     assert_eq!(said.trim(), format!("nothing to clean: {} does not exist", root.display()));
 
     // Something that is not ours inside the directory stays, and is named.
     let foreign = root.join("operator-notes");
     std::fs::create_dir_all(&foreign)?;
-    let said = cleanup(&root)?;
+    let said = cleanup(&node.ns, &root)?;
     assert!(said.contains("nothing of ours") && said.contains("left in place") && said.contains("operator-notes"), "{said}");
     assert!(foreign.is_dir());
     Ok(())

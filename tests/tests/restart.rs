@@ -14,10 +14,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use aya::programs::{
-    SchedClassifier, TcAttachType,
-    links::{FdLink, PinnedLink},
-};
+use aya::programs::TcAttachType;
 use proxy_tests::{
     agent::{Agent, agent_bin},
     bpffs::Bpffs,
@@ -60,32 +57,24 @@ const TIMEOUT: Duration = Duration::from_secs(20);
 /// Exchanges each flow must complete in each phase.
 const STEP: u64 = 50;
 
-/// For each hook of `pod`'s interface (ingress, egress): the ID of our
-/// pinned TCX link, the ID of the program in it, and the programs the kernel
-/// runs at that hook.
-fn hooks(node: &Netns, root: &Path, pod: &Pod) -> Result<Vec<(u32, u32, Vec<u32>)>> {
-    let ifname = std::ffi::CString::new(pod.host_if.clone())?;
-    let root = root.to_path_buf();
-    node.run(move || -> Result<Vec<(u32, u32, Vec<u32>)>> {
-        let ifindex = nix::net::if_::if_nametoindex(ifname.as_c_str())?;
-        let mut out = Vec::new();
-        for (hook, attach_type) in [("ingress", TcAttachType::Ingress), ("egress", TcAttachType::Egress)] {
-            let pin = root.join("links").join(format!("{hook}-{ifindex}"));
-            let link = FdLink::from(PinnedLink::from_pin(&pin).with_context(|| format!("{}", pin.display()))?);
-            let info = link.info()?;
-            let (_, progs) = SchedClassifier::query_tcx(ifname.as_c_str(), attach_type)?;
-            out.push((info.id(), info.program_id(), progs.iter().map(|p| p.id()).collect()));
-        }
-        Ok(out)
-    })?
+/// For each hook of `pod`'s interface (ingress, egress): what holds our
+/// program (a pinned TCX link, or our netlink filter), the ID of the program
+/// in it, and the programs the kernel runs at that hook.
+fn hooks(node: &Netns, root: &Path, pod: &Pod) -> Result<Vec<(String, u32, Vec<u32>)>> {
+    let mut out = Vec::new();
+    for attach_type in [TcAttachType::Ingress, TcAttachType::Egress] {
+        let (holder, program) = proxy_tests::hooks::ours(node, root, &pod.host_if, attach_type)?;
+        out.push((holder, program, proxy_tests::hooks::programs(node, &pod.host_if, attach_type)?));
+    }
+    Ok(out)
 }
 
-/// The links are the ones of `before`, each now running a program other
-/// than before, and the only program at its hook.
-fn swapped_in_place(before: &[(u32, u32, Vec<u32>)], after: &[(u32, u32, Vec<u32>)]) -> Result<()> {
+/// The links (or filters) are the ones of `before`, each now running a
+/// program other than before, and the only program at its hook.
+fn swapped_in_place(before: &[(String, u32, Vec<u32>)], after: &[(String, u32, Vec<u32>)]) -> Result<()> {
     for ((link, prog, _), (link_now, prog_now, running)) in before.iter().zip(after) {
-        anyhow::ensure!(link_now == link, "link {link} was replaced by link {link_now}: detached and re-attached");
-        anyhow::ensure!(prog_now != prog, "link {link} still runs the old program {prog}");
+        anyhow::ensure!(link_now == link, "{link} was replaced by {link_now}: detached and re-attached");
+        anyhow::ensure!(prog_now != prog, "{link} still runs the old program {prog}");
         anyhow::ensure!(running == &[*prog_now], "programs at the hook: {running:?}, expected only {prog_now}");
     }
     Ok(())
