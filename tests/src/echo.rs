@@ -49,6 +49,30 @@ impl EchoServer {
     }
 }
 
+impl EchoServer {
+    /// A kernel SCTP server on `port` (one-to-one sockets): each association
+    /// gets the same answer as a TCP connection. Needs the sctp module.
+    pub fn start_sctp(ns: &Netns, name: &str, port: u16) -> Result<EchoServer> {
+        let bind: SocketAddr = ([0, 0, 0, 0], port).into();
+        let listener = ns
+            .run(move || -> std::io::Result<TcpListener> {
+                let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, Some(socket2::Protocol::from(libc::IPPROTO_SCTP)))?;
+                s.set_reuse_address(true)?;
+                s.bind(&bind.into())?;
+                s.listen(16)?;
+                // accept/read/write on a one-to-one SCTP socket are the
+                // stream calls std's TCP types make: reuse them.
+                Ok(s.into())
+            })?
+            .with_context(|| format!("sctp bind {bind} in {} (is the sctp module there?)", ns.name))?;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (n, s) = (name.to_string(), stop.clone());
+        let thread = std::thread::spawn(move || serve_tcp(listener, &n, &s));
+        Ok(EchoServer { stop, threads: vec![thread] })
+    }
+}
+
 impl Drop for EchoServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);

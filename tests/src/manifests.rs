@@ -39,3 +39,34 @@ endpoints:
 {endpoints}"#
     )
 }
+
+/// The SCTP tests' Service `tel/sig`: a NodePort on `port` (nodePort
+/// `node_port`) whose targetPort differs, so every packet's CRC32c is
+/// patched, with one endpoint on node-a.
+pub fn sctp_service(cluster_ip: Ipv4Addr, port: u16, target: u16, node_port: u16, backend: Ipv4Addr) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: sig, namespace: tel}}
+spec:
+  type: NodePort
+  clusterIP: {cluster_ip}
+  ports:
+  - {{name: m3ua, port: {port}, targetPort: {target}, nodePort: {node_port}, protocol: SCTP}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: sig-abcde
+  namespace: tel
+  labels: {{kubernetes.io/service-name: sig}}
+addressType: IPv4
+ports:
+- {{name: m3ua, port: {target}, protocol: SCTP}}
+endpoints:
+- addresses: [{backend}]
+  conditions: {{ready: true}}
+  nodeName: node-a
+"#
+    )
+}

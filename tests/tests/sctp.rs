@@ -23,6 +23,7 @@ use proxy_tests::{
     agent::{Agent, trace_json},
     bpffs::Bpffs,
     is_root,
+    manifests::sctp_service,
     sctp::{self, CHUNK_ABORT, CHUNK_DATA, CHUNK_INIT, CHUNK_INIT_ACK, Capture, chunk},
     topology::{Node, mac_of},
 };
@@ -43,31 +44,7 @@ const CLIENT_TAG: u32 = 0x0a0b_0c0d;
 const SERVER_TAG: u32 = 0x1a1b_1c1d;
 
 fn service_yaml() -> String {
-    format!(
-        r#"apiVersion: v1
-kind: Service
-metadata: {{name: sig, namespace: tel}}
-spec:
-  type: NodePort
-  clusterIP: {CLUSTER_IP}
-  ports:
-  - {{name: m3ua, port: {PORT}, targetPort: {TARGET}, nodePort: {NODE_PORT}, protocol: SCTP}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: sig-abcde
-  namespace: tel
-  labels: {{kubernetes.io/service-name: sig}}
-addressType: IPv4
-ports:
-- {{name: m3ua, port: {TARGET}, protocol: SCTP}}
-endpoints:
-- addresses: [{BACKEND_IP}]
-  conditions: {{ready: true}}
-  nodeName: node-a
-"#
-    )
+    sctp_service(CLUSTER_IP, PORT, TARGET, NODE_PORT, BACKEND_IP)
 }
 
 fn check_seen(what: &str, got: &sctp::Seen, src: SocketAddrV4, dst: SocketAddrV4, chunk: u8) -> Result<()> {

@@ -1,7 +1,8 @@
 //! A client for tests that must run as its own process (for example inside
-//! a node's cgroup): `netprobe tcp|udp ADDR:PORT [SOURCE_IP]` sends one line
-//! to an echo server and prints `peer=<address the socket reports>
-//! reply=<answer>`, or `error=<io error kind>`.
+//! a node's cgroup): `netprobe tcp|udp|sctp ADDR:PORT [SOURCE_IP]` sends one
+//! line to an echo server and prints `peer=<address the socket reports>
+//! reply=<answer>`, or `error=<io error kind>`. `sctp` is a one-to-one
+//! (SOCK_STREAM) kernel SCTP association: INIT to SHUTDOWN, data both ways.
 
 use std::{
     io::{Read, Write},
@@ -9,22 +10,23 @@ use std::{
     time::Duration,
 };
 
-use socket2::{Domain, Socket, Type};
+use socket2::{Domain, Protocol, Socket, Type};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let (Some(proto), Some(Ok(to))) = (args.get(1), args.get(2).map(|a| a.parse::<SocketAddr>())) else {
-        eprintln!("usage: netprobe tcp|udp ADDR:PORT");
+        eprintln!("usage: netprobe tcp|udp|sctp ADDR:PORT [SOURCE_IP]");
         std::process::exit(2);
     };
     let from: Option<IpAddr> = args.get(3).and_then(|a| a.parse().ok());
     let result = match proto.as_str() {
-        "tcp" => tcp(to, from),
+        "tcp" => stream(to, from, None),
+        "sctp" => stream(to, from, Some(Protocol::from(libc::IPPROTO_SCTP))),
         "udp" => udp(to, from),
         _ => {
-            eprintln!("netprobe: protocol must be tcp or udp");
+            eprintln!("netprobe: protocol must be tcp, udp or sctp");
             std::process::exit(2);
         }
     };
@@ -34,8 +36,10 @@ fn main() {
     }
 }
 
-fn tcp(to: SocketAddr, from: Option<IpAddr>) -> std::io::Result<(SocketAddr, String)> {
-    let socket = Socket::new(Domain::for_address(to), Type::STREAM, None)?;
+/// TCP, or with `protocol` SCTP: a one-to-one SCTP socket takes the same
+/// connect/read/write/close calls (close sends SHUTDOWN).
+fn stream(to: SocketAddr, from: Option<IpAddr>, protocol: Option<Protocol>) -> std::io::Result<(SocketAddr, String)> {
+    let socket = Socket::new(Domain::for_address(to), Type::STREAM, protocol)?;
     if let Some(ip) = from {
         // Free bind: a source the node does not hold (traffic SNATted to an LB IP).
         if ip.is_ipv4() {
