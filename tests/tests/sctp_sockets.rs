@@ -1,9 +1,12 @@
 //! Real SCTP associations, made by the kernel's SCTP stack: INIT to
 //! SHUTDOWN with data both ways, through a ClusterIP and a NodePort whose
 //! port differs from the targetPort (so every packet's CRC32c is patched),
-//! from a pod, from another host (a node outside this one, masqueraded), and
-//! from a process on the node under the agent's socket hooks, with checksum
-//! offload on and then off on every interface involved.
+//! from a pod and from another host (a node outside this one, masqueraded),
+//! with checksum offload on and then off on every interface involved.
+//!
+//! Not from a process on the node: SCTP's connect() does not run the cgroup
+//! connect hooks (the kernel calls them from TCP's and UDP's paths only), so
+//! a node's SCTP socket to a ClusterIP leaves untranslated; see docs/sctp.md.
 //!
 //! It needs the sctp module. The development machines' kernel has none (the
 //! crafted-packet tests in sctp.rs stand in there): without it the test says
@@ -16,7 +19,6 @@ use anyhow::{Context, Result};
 use proxy_tests::{
     agent::Agent,
     bpffs::Bpffs,
-    cgroup::Cgroup,
     echo::EchoServer,
     is_root,
     manifests::sctp_service,
@@ -74,29 +76,24 @@ fn sctp_associations_through_cluster_ip_and_node_port() -> Result<()> {
     let ext = node.add_external("ext", NODE_IP, &[EXTERNAL], &[])?;
     let _echo = EchoServer::start_sctp(&backend.ns, "backend", TARGET)?;
 
-    let cg = Cgroup::new("sctpk")?;
-    let cg_flag = cg.path().display().to_string();
     let bpffs = Bpffs::new("sctpk")?;
     let manifests = tempfile::tempdir()?;
     std::fs::write(manifests.path().join("sig.yaml"), service_yaml())?;
     let root = bpffs.path().join("agent");
-    let flags = ["--cluster-cidr", "10.244.0.0/16", "--service-cidr", "10.96.0.0/16", "--cgroup-root", &cg_flag];
+    let flags = ["--cluster-cidr", "10.244.0.0/16", "--service-cidr", "10.96.0.0/16"];
     let mut agent = Agent::start(&node.ns, manifests.path(), &root, &flags)?;
     agent.wait_healthy(&node.ns, Duration::from_secs(20))?;
 
     let netprobe = Path::new(env!("CARGO_BIN_EXE_netprobe"));
     let from_pod = || client.ns.command(netprobe.to_str().unwrap());
     let from_other_node = || ext.ns.command(netprobe.to_str().unwrap());
-    let from_node = || cg.command(&node.ns, netprobe);
     let cluster_ip = format!("{CLUSTER_IP}:{PORT}");
     let node_port = format!("{NODE_IP}:{NODE_PORT}");
     // (who, client, frontend dialled, source the backend must see; None: any node address)
-    let cases: [(&str, &dyn Fn() -> std::process::Command, &str, Option<Ipv4Addr>); 5] = [
+    let cases: [(&str, &dyn Fn() -> std::process::Command, &str, Option<Ipv4Addr>); 3] = [
         ("pod to ClusterIP", &from_pod, &cluster_ip, Some(CLIENT_IP)),
         ("pod to NodePort", &from_pod, &node_port, None),
         ("another node to NodePort", &from_other_node, &node_port, Some(NODE_IP)),
-        ("node process to ClusterIP", &from_node, &cluster_ip, None),
-        ("node process to NodePort", &from_node, &node_port, None),
     ];
     for offload in [true, false] {
         for (ns, ifname) in [
