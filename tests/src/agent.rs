@@ -115,6 +115,7 @@ impl Agent {
 
     /// Waits until /healthz answers 200 (first sync in the maps).
     pub fn wait_healthy(&mut self, node: &Netns, timeout: Duration) -> Result<()> {
+        let timeout = crate::patience(timeout);
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.as_mut().unwrap().try_wait()? {
@@ -211,6 +212,7 @@ pub fn http_get(node: &Netns, addr: SocketAddr, path: &str) -> Result<Option<(u1
 /// Polls `check` every 50 ms until it returns true; fails after `timeout`
 /// with the last error or "condition not met".
 pub fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> Result<bool>) -> Result<()> {
+    let timeout = crate::patience(timeout);
     let deadline = Instant::now() + timeout;
     let mut last = None;
     while Instant::now() < deadline {

@@ -44,6 +44,14 @@ pub fn run(program: &str, args: &[&str]) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// A deadline stretched by `EBPF_PROXY_TEST_PATIENCE` (a factor, default
+/// 1): `./x vm-test` sets it where the VM is emulated (TCG runs the same
+/// work several times slower). Deadlines only: no test measures time.
+pub fn patience(deadline: std::time::Duration) -> std::time::Duration {
+    let factor = std::env::var("EBPF_PROXY_TEST_PATIENCE").ok().and_then(|f| f.parse::<f64>().ok()).unwrap_or(1.0);
+    deadline.mul_f64(factor.max(1.0))
+}
+
 /// Whether this process may create namespaces and load BPF programs.
 pub fn is_root() -> bool {
     nix::unistd::geteuid().is_root()
