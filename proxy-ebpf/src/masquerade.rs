@@ -5,27 +5,45 @@
 
 use core::num::NonZeroU32;
 
-use aya_ebpf::{Global, helpers::bpf_get_prandom_u32, programs::TcContext};
-use proxy_common::{Addr, CT_REPLY, Counter, CtKey, DEFAULT_SNAT_PORTS, SNAT_ADDR_IPV6, SnatEntry};
+use aya_ebpf::{
+    EbpfContext, Global,
+    bindings::{BPF_F_CURRENT_NETNS, bpf_sock_tuple},
+    helpers::{bpf_get_prandom_u32, bpf_sk_release, bpf_skc_lookup_tcp},
+    programs::TcContext,
+};
+use proxy_common::{
+    Addr, CT_REPLY, Counter, CtKey, DEFAULT_EPHEMERAL_PORTS, DEFAULT_SNAT_PORTS, IPPROTO_TCP, SNAT_ADDR_IPV6, SnatEntry,
+    TCP_SNAT_PORT_LOW,
+};
 
 use crate::{
-    conntrack,
+    conntrack::{self, SnatTuple},
     maps::{SNAT, SNAT_ADDRS, count},
     parse::Packet,
 };
 
 /// Random ports tried when the client's own one cannot be kept.
-const PORT_TRIES: u32 = 8;
+const PORT_TRIES: u32 = 16;
 
-/// The range SNAT ports come from (host order, inclusive), set by the agent
-/// at load to lie outside the node's ephemeral ports: the node's own sockets
-/// (sent straight to backends by the socket hooks) take ephemeral ports the
-/// kernel picks without seeing this table, so a masqueraded flow holding one
-/// towards the same backend would take that socket's replies.
+/// The range UDP and SCTP SNAT ports come from (host order, inclusive), set
+/// by the agent at load to lie outside the node's ephemeral ports: the
+/// node's own sockets (sent straight to backends by the socket hooks) take
+/// ephemeral ports the kernel picks without seeing this table, so a
+/// masqueraded flow holding one towards the same backend would take that
+/// socket's replies.
 #[unsafe(no_mangle)]
 static SNAT_PORT_MIN: Global<u32> = Global::new(DEFAULT_SNAT_PORTS.0 as u32);
 #[unsafe(no_mangle)]
 static SNAT_PORT_MAX: Global<u32> = Global::new(DEFAULT_SNAT_PORTS.1 as u32);
+
+/// The node's ephemeral ports (host order, inclusive, at or above
+/// TCP_SNAT_PORT_LOW), set by the agent at load: TCP draws around them. TCP
+/// can draw from the whole rest of the port space, not only SNAT_PORT_*,
+/// because it asks the node's socket table whether a port is in use.
+#[unsafe(no_mangle)]
+static EPHEMERAL_PORT_MIN: Global<u32> = Global::new(DEFAULT_EPHEMERAL_PORTS.0 as u32);
+#[unsafe(no_mangle)]
+static EPHEMERAL_PORT_MAX: Global<u32> = Global::new(DEFAULT_EPHEMERAL_PORTS.1 as u32);
 
 /// The source (address, port in network order) this masqueraded flow leaves
 /// with: the one chosen for its first packet, else a new one.
@@ -46,36 +64,92 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
     let ifindex = crate::skb::ifindex(ctx) | family;
     let addr = unsafe { SNAT_ADDRS.get(&ifindex).or_else(|| SNAT_ADDRS.get(&family)) }.copied()?;
 
-    // Keep the client's port if it lies in the range and is free (as Linux
-    // NAT keeps it), else try random ones from the range; the reply entries
-    // are the port table. If the range is full, the client's port even
-    // inside the ephemeral range: a flow that may share a node socket's
-    // replies rather than one surely dropped.
-    let min = SNAT_PORT_MIN.load();
+    // Keep the client's port if its tuple towards the backend is free (as
+    // Linux NAT keeps it), else try random ones; the reply entries are the
+    // port table. TCP keeps any port no node socket holds and draws outside
+    // the ephemeral range; UDP and SCTP, which cannot ask the socket table
+    // cheaply, keep and draw only inside SNAT_PORT_*. If every try fails,
+    // the client's port after all, counted: a TCP tuple the backend may
+    // still hold in TIME_WAIT, a UDP/SCTP one a node socket may share.
+    let tcp = pkt.proto == IPPROTO_TCP;
+    let (low, span, hole_at, hole_len) = if tcp {
+        let (eph_min, eph_max) = (EPHEMERAL_PORT_MIN.load(), EPHEMERAL_PORT_MAX.load());
+        let hole_len = eph_max.wrapping_sub(eph_min).wrapping_add(1);
+        let low = TCP_SNAT_PORT_LOW as u32;
+        (low, 65536 - low - hole_len, eph_min, hole_len)
+    } else {
+        let min = SNAT_PORT_MIN.load();
+        (min, SNAT_PORT_MAX.load().wrapping_sub(min).wrapping_add(1), u32::MAX, 0)
+    };
     // NonZero: a division the verifier can see has no panic path.
-    let span = NonZeroU32::new(SNAT_PORT_MAX.load().wrapping_sub(min).wrapping_add(1))?;
-    let client_port_in_range = (u16::from_be(t.sport) as u32).wrapping_sub(min) < span.get();
-    let opens = pkt.opens_connection();
+    let span = NonZeroU32::new(span)?;
+    let keep_first = tcp || (u16::from_be(t.sport) as u32).wrapping_sub(low) < span.get();
     let mut port = t.sport;
     for i in 0..=PORT_TRIES + 1 {
         let last_resort = i == PORT_TRIES + 1;
         if last_resort {
             port = t.sport;
-        } else if i > 0 || !client_port_in_range {
-            port = ((min + unsafe { bpf_get_prandom_u32() } % span) as u16).to_be();
-        }
-        if conntrack::claim_snat_reply(&snat_key(t, &addr, port), &plain, &t.src, t.sport, opens).is_ok() {
-            if last_resort {
-                count(Counter::SnatPortShared);
+        } else if i > 0 || !keep_first {
+            let mut p = low + unsafe { bpf_get_prandom_u32() } % span;
+            if p >= hole_at {
+                p += hole_len;
             }
-            let entry = SnatEntry { addr, port, _pad: [0; 6] };
-            if SNAT.insert(t, &entry, 0).is_err() {
-                count(Counter::SnatFailed);
-            }
-            return Some((addr, port));
+            port = (p as u16).to_be();
         }
+        let key = snat_key(t, &addr, port);
+        let usable = match conntrack::snat_tuple(&key, &plain, &t.src, t.sport) {
+            SnatTuple::Free => true,
+            SnatTuple::Reserved => last_resort,
+            SnatTuple::Held => false,
+        };
+        if !usable || (tcp && socket_holds(ctx, &key, pkt.v6)) {
+            continue;
+        }
+        if conntrack::claim_snat_reply(&key, &plain, &t.src, t.sport).is_err() {
+            break;
+        }
+        if last_resort {
+            count(Counter::SnatPortShared);
+        }
+        let entry = SnatEntry { addr, port, _pad: [0; 6] };
+        if SNAT.insert(t, &entry, 0).is_err() {
+            count(Counter::SnatFailed);
+        }
+        return Some((addr, port));
     }
     None
+}
+
+/// Whether a node socket holds the tuple of `reply` (backend -> node
+/// address:port): a connection, a TIME_WAIT, or a listener on that port.
+/// Its replies would meet the masqueraded flow's. Looked up in the netns of
+/// the interface, the node's.
+#[inline(always)]
+fn socket_holds(ctx: &TcContext, reply: &CtKey, v6: bool) -> bool {
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    let size = unsafe {
+        if v6 {
+            let t = &mut tuple.__bindgen_anon_1.ipv6;
+            t.saddr = core::mem::transmute::<[u8; 16], [u32; 4]>(reply.src.0);
+            t.daddr = core::mem::transmute::<[u8; 16], [u32; 4]>(reply.dst.0);
+            t.sport = reply.sport;
+            t.dport = reply.dport;
+            core::mem::size_of_val(t)
+        } else {
+            let t = &mut tuple.__bindgen_anon_1.ipv4;
+            t.saddr = u32::from_ne_bytes(reply.src.v4_octets());
+            t.daddr = u32::from_ne_bytes(reply.dst.v4_octets());
+            t.sport = reply.sport;
+            t.dport = reply.dport;
+            core::mem::size_of_val(t)
+        }
+    };
+    let sk = unsafe { bpf_skc_lookup_tcp(ctx.as_ptr(), &mut tuple, size as u32, BPF_F_CURRENT_NETNS as u64, 0) };
+    if sk.is_null() {
+        return false;
+    }
+    unsafe { bpf_sk_release(sk as *mut _) };
+    true
 }
 
 /// The tuple the replies of flow `t` (after DNAT) carry once its source is

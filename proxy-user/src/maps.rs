@@ -16,6 +16,8 @@ use aya::{
 use ipnet::IpNet;
 use proxy_common::*;
 
+use crate::snat_ports::SnatPorts;
+
 use crate::reconciler::{Contents, MapWriter};
 
 /// The compiled datapath, built by aya-build from proxy-ebpf.
@@ -113,17 +115,21 @@ fn load_error(e: aya::EbpfError, root: &Path) -> anyhow::Error {
 /// Loads the programs; maps already pinned under `root` are reused, so a
 /// restart keeps services, backends and conntrack.
 pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
-    load_with_snat_ports(root, DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1)
+    load_with_snat_ports(root, &SnatPorts::default())
 }
 
 /// As `load`, with the source ports masquerade may use (see snat_ports).
-pub fn load_with_snat_ports(root: &Path, snat_ports: RangeInclusive<u16>) -> Result<(Ebpf, Maps)> {
+pub fn load_with_snat_ports(root: &Path, ports: &SnatPorts) -> Result<(Ebpf, Maps)> {
     ensure_bpffs(root)?;
-    let (min, max) = (u32::from(*snat_ports.start()), u32::from(*snat_ports.end()));
+    let bounds = |r: &RangeInclusive<u16>| (u32::from(*r.start()), u32::from(*r.end()));
+    let (min, max) = bounds(&ports.masquerade);
+    let (eph_min, eph_max) = bounds(&ports.ephemeral);
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(root)
         .override_global(GLOBAL_SNAT_PORT_MIN, &min, true)
         .override_global(GLOBAL_SNAT_PORT_MAX, &max, true)
+        .override_global(GLOBAL_EPHEMERAL_PORT_MIN, &eph_min, true)
+        .override_global(GLOBAL_EPHEMERAL_PORT_MAX, &eph_max, true)
         .load(BPF_OBJECT)
         .map_err(|e| load_error(e, root))?;
     let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the BPF object"));
