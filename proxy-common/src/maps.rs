@@ -21,6 +21,10 @@ pub const MAP_IPV6_PROGRAMS: &str = "IPV6_PROGRAMS";
 /// One u32 the agent increments after it removes a backend: see
 /// `CtEntry::backends_epoch`.
 pub const MAP_BACKENDS_EPOCH: &str = "BACKENDS_EPOCH";
+/// One u32, non-zero once a masqueraded TCP flow kept a client port inside
+/// the node's ephemeral range: from then on a node socket may meet its
+/// tuple, and egress looks at node sockets' packets (see `Counter::NodeSnat`).
+pub const MAP_NODE_SNAT: &str = "NODE_SNAT";
 
 /// Loader-set globals of the BPF object: the source ports masqueraded UDP
 /// and SCTP flows may take (host order, inclusive). The agent puts them
@@ -373,6 +377,11 @@ pub enum Counter {
     /// and SCTP one inside the node's ephemeral range (a node socket may
     /// take it too).
     SnatPortShared = 19,
+    /// A node socket's new TCP connection met the tuple of a masqueraded
+    /// flow (or of one closed less than CT_SNAT_TIME_WAIT_NS ago) towards
+    /// the same backend: it leaves with a port of its own, as Linux NAT
+    /// remaps a local connection whose tuple is taken.
+    NodeSnat = 20,
 }
 
 /// Slots of the IPv6 program array: which IPv6 program each IPv4 program
@@ -384,11 +393,11 @@ pub const IPV6_PROG_TRACE: u32 = 2;
 pub const IPV6_PROG_MASQUERADE: u32 = 3;
 pub const IPV6_PROG_COUNT: u32 = 4;
 
-pub const COUNTER_NAMES: [&str; 20] = [
+pub const COUNTER_NAMES: [&str; 21] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",
     "fragment", "rebalanced", "rewrite_failed", "rejected", "drop_unallocated",
     "drop_source_range", "drop_no_local", "masqueraded", "snat_failed", "affinity_hit",
-    "reject_failed", "extension_header", "snat_port_shared",
+    "reject_failed", "extension_header", "snat_port_shared", "node_snat",
 ];
 /// Slots of the pinned `COUNTERS` array: room to add counters without
 /// changing the map's layout (which an upgrade could not reuse). At most 32:

@@ -129,6 +129,15 @@ pub fn snat_tuple(snat_key: &CtKey, plain_reply: &CtEntry, client: &Addr, client
     }
 }
 
+/// Whether a masqueraded flow other than `client:client_port`'s holds
+/// `snat_key` (open, or closed and reserved): a node socket's connection on
+/// that tuple would meet its backend's replies or TIME_WAIT.
+#[inline(always)]
+pub fn masquerade_holds(snat_key: &CtKey, own_reply: &CtEntry, client: &Addr, client_port: u16) -> bool {
+    let masqueraded = unsafe { CONNTRACK.get(snat_key) }.is_some_and(|e| e.flags & CT_MASQUERADE != 0);
+    masqueraded && snat_tuple(snat_key, own_reply, client, client_port) != SnatTuple::Free
+}
+
 /// Records `snat_key` as the reply tuple of a masqueraded flow: replies go
 /// to `client:client_port`; `plain_reply` is the flow's ordinary reply entry.
 /// The caller checked `snat_tuple`.

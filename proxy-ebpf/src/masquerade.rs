@@ -12,13 +12,13 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    Addr, CT_REPLY, Counter, CtKey, DEFAULT_EPHEMERAL_PORTS, DEFAULT_SNAT_PORTS, IPPROTO_TCP, SNAT_ADDR_IPV6, SnatEntry,
+    Addr, CT_CLOSING, CT_REPLY, Counter, CtEntry, CtKey, DEFAULT_EPHEMERAL_PORTS, DEFAULT_SNAT_PORTS, IPPROTO_TCP, SNAT_ADDR_IPV6, SnatEntry,
     TCP_SNAT_PORT_LOW,
 };
 
 use crate::{
     conntrack::{self, SnatTuple},
-    maps::{SNAT, SNAT_ADDRS, count},
+    maps::{NODE_SNAT, SNAT, SNAT_ADDRS, count},
     parse::Packet,
 };
 
@@ -111,12 +111,93 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
         if last_resort {
             count(Counter::SnatPortShared);
         }
+        if tcp && (u16::from_be(port) as u32).wrapping_sub(hole_at) < hole_len {
+            arm_node_flows();
+        }
         let entry = SnatEntry { addr, port, _pad: [0; 6] };
         if SNAT.insert(t, &entry, 0).is_err() {
             count(Counter::SnatFailed);
         }
         return Some((addr, port));
     }
+    None
+}
+
+/// Whether a node socket's connection may meet a masqueraded flow's tuple:
+/// only once masquerade kept a TCP client port inside the node's ephemeral
+/// range (the kernel may hand the same port to a node socket later). Until
+/// then egress never looks at node sockets' packets.
+#[inline(always)]
+pub fn node_flows_armed() -> bool {
+    NODE_SNAT.get(0).is_some_and(|armed| *armed != 0)
+}
+
+#[inline(always)]
+fn arm_node_flows() {
+    if let Some(armed) = NODE_SNAT.get_ptr_mut(0) {
+        unsafe { *armed = 1 };
+    }
+}
+
+/// The source a node socket's TCP packet leaves with, if not its own: Linux
+/// NAT gives a local connection whose tuple a NATed flow already holds
+/// another source port, and so does this. A SYN whose tuple towards the
+/// backend is a masqueraded flow's (open, or closed and still reserved for
+/// the backend's TIME_WAIT) gets a port drawn as for a masqueraded flow,
+/// with a reply entry sending the backend's replies back to the socket's
+/// own port; the connection's later packets find it in SNAT. The address
+/// stays the socket's.
+#[inline(always)]
+pub fn node_source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
+    let t = &pkt.tuple;
+    // The replies as the socket expects them: from the backend itself.
+    let own = CtEntry { nat_addr: t.dst, nat_port: t.dport, direction: CT_REPLY, ..Default::default() };
+    let ours = unsafe { SNAT.get(t) }.filter(|e| e.addr == t.src).copied();
+    if let Some(e) = ours {
+        let key = snat_key(t, &e.addr, e.port);
+        // A SYN on a tuple whose earlier connection closed is a new
+        // connection: it is looked at afresh below.
+        let current = !pkt.opens_connection() || conntrack::lookup(&key).is_some_and(|r| r.flags & CT_CLOSING == 0);
+        if current {
+            if pkt.closes_connection() {
+                conntrack::close_snat_reply(&key);
+            }
+            return Some((e.addr, e.port));
+        }
+    }
+    if !pkt.opens_connection() {
+        return None;
+    }
+    if !conntrack::masquerade_holds(&snat_key(t, &t.src, t.sport), &own, &t.src, t.sport) {
+        if ours.is_some() {
+            // A SNAT choice left by an earlier connection on this tuple.
+            let _ = SNAT.remove(t);
+        }
+        return None;
+    }
+    let (eph_min, eph_max) = (EPHEMERAL_PORT_MIN.load(), EPHEMERAL_PORT_MAX.load());
+    let hole_len = eph_max.wrapping_sub(eph_min).wrapping_add(1);
+    let low = TCP_SNAT_PORT_LOW as u32;
+    let span = NonZeroU32::new(65536 - low - hole_len)?;
+    for _ in 0..PORT_TRIES {
+        let mut p = low + unsafe { bpf_get_prandom_u32() } % span;
+        if p >= eph_min {
+            p += hole_len;
+        }
+        let port = (p as u16).to_be();
+        let key = snat_key(t, &t.src, port);
+        if conntrack::snat_tuple(&key, &own, &t.src, t.sport) != SnatTuple::Free || socket_holds(ctx, &key, pkt.v6) {
+            continue;
+        }
+        conntrack::claim_snat_reply(&key, &own, &t.src, t.sport).ok()?;
+        let entry = SnatEntry { addr: t.src, port, _pad: [0; 6] };
+        if SNAT.insert(t, &entry, 0).is_err() {
+            count(Counter::SnatFailed);
+        }
+        count(Counter::NodeSnat);
+        return Some((t.src, port));
+    }
+    count(Counter::SnatFailed);
     None
 }
 

@@ -277,6 +277,17 @@ fn verdict_cases() -> Vec<Case> {
             &[],
         )
         .at_egress(MASQUERADE_MARK),
+        node_socket_on_a_taken_tuple(
+            "egress, unmarked: a node socket's SYN 192.168.0.2:40002 -> 10.244.0.11:8080, the masqueraded flow's tuple: a port of its own",
+        ),
+        Case::new(
+            "egress, unmarked: a node socket's SYN 192.168.0.2:40004 -> 10.244.0.11:8080, a free tuple: not ours",
+            tcp_syn((NODE_IP, 40004), (BACKEND, 8080)),
+            TC_ACT_UNSPEC,
+            Expect::Unchanged,
+            &[],
+        )
+        .at_egress(0),
         Case::new("egress: an unmarked packet is not ours", tcp_syn(ext, (BACKEND, 8080)), TC_ACT_UNSPEC, Expect::Unchanged, &[])
             .at_egress(0),
         Case::new(
@@ -454,6 +465,15 @@ fn snat_to_a_drawn_port(what: &str, client: Endpoint) -> Case {
         &[],
     )
     .at_egress(MASQUERADE_MARK)
+}
+
+/// A node socket's SYN (BPF_PROG_TEST_RUN gives its skb a socket) on the
+/// tuple 203.0.113.2:40002's masqueraded flow holds: it leaves from a port
+/// drawn for it, counted.
+fn node_socket_on_a_taken_tuple(what: &str) -> Case {
+    let mut case = snat_to_a_drawn_port(what, (NODE_IP, 40002)).at_egress(0);
+    case.counters = vec![Counter::NodeSnat];
+    case
 }
 
 fn masqueraded_reply_is_tracked(maps: &Maps) -> Result<(), String> {

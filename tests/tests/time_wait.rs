@@ -19,12 +19,13 @@ use std::{
 };
 
 use anyhow::{Context, Result};
+use proxy_common::Counter;
 use proxy_tests::{
     agent::Agent,
-    bench::load::{Server, server_closed_once},
+    bench::load::{Server, request, server_closed_once},
     bpffs::Bpffs,
     is_root,
-    topology::Node,
+    topology::{External, Node, Pod},
 };
 
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 2);
@@ -65,20 +66,42 @@ endpoints:
     )
 }
 
-#[test]
-fn server_closed_connections_through_a_node_port_never_meet_time_wait() -> Result<()> {
+/// A node with the agent, the backend pod (its server closes first when
+/// asked) and the external host, torn down when dropped.
+struct Setup {
+    // Drop order: the agent, then the server, then the namespaces.
+    agent: Agent,
+    root: std::path::PathBuf,
+    _server: Server,
+    _bpffs: Bpffs,
+    _dir: tempfile::TempDir,
+    ext: External,
+    _backend: Pod,
+    node: Node,
+}
+
+fn setup(label: &str) -> Result<Setup> {
     assert!(is_root(), "needs root (network namespaces and BPF)");
-    let mut node = Node::new("timewait")?;
+    let mut node = Node::new(label)?;
     let backend = node.add_pod("backend", BACKEND)?;
     let ext = node.add_external("ext", NODE_IP, &CLIENTS, &[])?;
-    let _server = Server::start(&backend.ns, TARGET, 2, &[], 0)?;
-    let bpffs = Bpffs::new("timewait")?;
+    let server = Server::start(&backend.ns, TARGET, 2, &[], 0)?;
+    let bpffs = Bpffs::new(label)?;
     let root = bpffs.path().join("agent");
     let dir = tempfile::tempdir()?;
     std::fs::write(dir.path().join("svc.yaml"), manifests())?;
     let mut agent = Agent::start(&node.ns, dir.path(), &root, &["--cluster-cidr", "10.244.0.0/16"])?;
     agent.wait_healthy(&node.ns, Duration::from_secs(10))?;
+    Ok(Setup { agent, root, _server: server, _bpffs: bpffs, _dir: dir, ext, _backend: backend, node })
+}
 
+fn counter(root: &std::path::Path, c: Counter) -> Result<u64> {
+    Ok(proxy_user::maps::Maps::open_pinned(root)?.read_counters()?[c as usize])
+}
+
+#[test]
+fn server_closed_connections_through_a_node_port_never_meet_time_wait() -> Result<()> {
+    let Setup { agent, root, ext, .. } = &setup("timewait")?;
     let to = SocketAddr::from((NODE_IP, NODE_PORT));
     let (retransmitted, max_connect, done) = ext.ns.run(move || -> Result<(Vec<(usize, u32, Duration)>, Duration, usize)> {
         let mut retransmitted = Vec::new();
@@ -100,8 +123,7 @@ fn server_closed_connections_through_a_node_port_never_meet_time_wait() -> Resul
         }
         Ok((retransmitted, max_connect, CONNECTIONS))
     })??;
-    let counters = proxy_user::maps::Maps::open_pinned(&root)?.read_counters()?;
-    let shared = counters[proxy_common::Counter::SnatPortShared as usize];
+    let shared = counter(root, Counter::SnatPortShared)?;
     println!(
         "{done} server-closed connections through the NodePort: {} needed a SYN retransmission, longest connect {max_connect:?}, snat_port_shared {shared}",
         retransmitted.len()
@@ -112,5 +134,37 @@ fn server_closed_connections_through_a_node_port_never_meet_time_wait() -> Resul
         agent.logs()
     );
     assert_eq!(done, CONNECTIONS);
+    Ok(())
+}
+
+/// The other way round: an external client's masqueraded connection keeps
+/// its port P (inside the node's ephemeral range, no node socket on it);
+/// then a node process connects straight to the backend from the node
+/// address and that same port P (as kubelet's probes or the socket hooks
+/// do, here bound explicitly rather than left to chance). Both tuples
+/// would be (node address:P, backend): the node's connection leaves with a
+/// port of its own, and each gets its own replies.
+#[test]
+fn a_node_socket_on_a_masqueraded_flows_port_gets_its_own() -> Result<()> {
+    let Setup { root, ext, node, .. } = &setup("nodesnat")?;
+    const P: u16 = 40123;
+    let bound = |ns: &proxy_tests::netns::Netns, from: Ipv4Addr, to: SocketAddr| -> Result<std::net::TcpStream> {
+        ns.run(move || -> Result<std::net::TcpStream> {
+            let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
+            s.bind(&SocketAddr::from((from, P)).into())?;
+            s.connect_timeout(&to.into(), Duration::from_secs(3)).with_context(|| format!("connect {from}:{P} -> {to}"))?;
+            let s: std::net::TcpStream = s.into();
+            s.set_read_timeout(Some(Duration::from_secs(3)))?;
+            Ok(s)
+        })?
+    };
+    let mut external = bound(&ext.ns, CLIENTS[0], (NODE_IP, NODE_PORT).into())?;
+    request(&mut external).context("the external client's first request")?;
+    let mut local = bound(&node.ns, NODE_IP, (BACKEND, TARGET).into()).context("the node's connection")?;
+    for round in 0..3 {
+        request(&mut local).with_context(|| format!("the node's request {round}"))?;
+        request(&mut external).with_context(|| format!("the external client's request {round}"))?;
+    }
+    assert_eq!(counter(root, Counter::NodeSnat)?, 1, "the node's connection got its own port once");
     Ok(())
 }

@@ -313,7 +313,8 @@ fn tcp_connect(to: SocketAddr) -> Result<TcpStream> {
     Ok(s)
 }
 
-fn request(conn: &mut TcpStream) -> Result<()> {
+/// One request and its reply on a kept connection.
+pub fn request(conn: &mut TcpStream) -> Result<()> {
     conn.write_all(REQUEST)?;
     let mut buf = [0u8; REPLY.len()];
     conn.read_exact(&mut buf)?;
