@@ -496,8 +496,11 @@ fn traffic_section(md: &mut String, r: &traffic::Results, figures: &Path) -> Res
          the endpoints itself: the ceiling. Load: {} client threads, {:.1} s warm-up then a {:.1} s window, \
          in {} rounds; each round visits every peer in turn (a different one first each round), so \
          background load hits all alike; the table gives the median of the rounds, the ratios divide \
-         medians. TCP connect+request closes with a reset (no TIME_WAIT, so ports never run out); UDP \
-         packets/s counts what the server received.\n",
+         medians. TCP connect+request closes with a reset (no TIME_WAIT, so ports never run out); \
+         *server closes*: the server closes after its reply (HTTP's `Connection: close`), then the client, \
+         so the server keeps every connection's tuple in TIME_WAIT and a proxy that hands a new \
+         connection another's such tuple stalls its connect; UDP packets/s counts what the server \
+         received.\n",
         r.client_threads,
         r.warmup.as_secs_f64(),
         r.window.as_secs_f64(),
