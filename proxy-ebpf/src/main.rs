@@ -235,9 +235,12 @@ mod program {
         let mark = crate::skb::mark(ctx);
         if mark & (MASQUERADE_MARK | REVERSE_NAT_MARK) == 0 {
             // A node socket's own connection: translated only if it met a
-            // masqueraded flow's tuple (IPv4; see masquerade::node_source_for).
-            if !V6 && skb::from_local_socket(ctx) && masquerade::node_flows_armed() {
-                return node_flow(ctx);
+            // masqueraded flow's tuple (see masquerade::node_source_for).
+            if skb::from_local_socket(ctx) && masquerade::node_flows_armed() {
+                if !V6 && skb::is_ipv6(ctx) {
+                    return to_ipv6::<false>(ctx, IPV6_PROG_EGRESS);
+                }
+                return node_flow::<V6>(ctx);
             }
             return NOT_OURS;
         }
@@ -271,8 +274,9 @@ mod program {
     }
 
     #[inline(always)]
-    fn node_flow(ctx: &TcContext) -> i32 {
-        let Ok(pkt) = parse::parse(ctx) else { return NOT_OURS };
+    fn node_flow<const V6: bool>(ctx: &TcContext) -> i32 {
+        let parsed = if V6 { parse6::parse(ctx) } else { parse::parse(ctx) };
+        let Ok(pkt) = parsed else { return NOT_OURS };
         if pkt.proto != IPPROTO_TCP {
             return NOT_OURS;
         }
