@@ -696,3 +696,42 @@ fn not_measured(md: &mut String) {
            path (external scope, masquerade) and are not measured separately.\n"
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every traffic row the bench measures reaches the page, the
+    /// server-closed mode and its targets included.
+    #[test]
+    fn traffic_rows_and_server_closed_targets_are_written() -> Result<()> {
+        let mut r = traffic::Results { rounds: 1, client_threads: 1, ..Default::default() };
+        for services in traffic::SCALES {
+            for kind in Kind::ALL {
+                for peer in Peer::ALL {
+                    for mode in Mode::ALL {
+                        // ebpf-proxy at 0.9x nftables in the server-closed mode: met.
+                        let rate = match (peer, mode) {
+                            (Peer::EbpfProxy, Mode::TcpConnectServerClose) => 900.0,
+                            _ => 1000.0,
+                        };
+                        r.rows.push(traffic::Row { services, kind, peer, mode, rate, rounds: vec![rate], errors: 0 });
+                    }
+                }
+            }
+        }
+        let dir = tempfile::tempdir()?;
+        write(dir.path(), &Measured { traffic: Some(r), ..Default::default() })?;
+        let md = std::fs::read_to_string(dir.path().join("benchmarks.md"))?;
+        for line in [
+            "| 1 service, TCP connect+request, server closes: within 15% of nftables | NodePort: 0.90x of nftables | yes |",
+            "| 10 000 services, TCP connect+request, server closes: within 15% of nftables | NodePort: 0.90x of nftables | yes |",
+            "| 1 service, TCP connect+request, server closes: within 15% of nftables | ClusterIP: 0.90x of nftables | yes |",
+        ] {
+            assert!(md.contains(line), "no {line:?} in\n{md}");
+        }
+        let rows = md.lines().filter(|l| l.starts_with("| TCP connect+request/s, server closes |")).count();
+        assert_eq!(rows, traffic::SCALES.len() * Kind::ALL.len(), "one row per scale and kind\n{md}");
+        Ok(())
+    }
+}
