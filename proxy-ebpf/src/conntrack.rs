@@ -3,8 +3,8 @@
 
 use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_coarse_ns};
 use proxy_common::{
-    Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, CT_SNAT_TIME_WAIT_NS, CtEntry,
-    CtKey, ServiceEntry,
+    Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, CT_SNAT_TIME_WAIT_NS,
+    CtEntry, CtKey, ServiceEntry,
 };
 
 use crate::maps::{CONNTRACK, SNAT};

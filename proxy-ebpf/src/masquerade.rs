@@ -12,8 +12,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    Addr, CT_CLOSING, CT_REPLY, Counter, CtEntry, CtKey, DEFAULT_EPHEMERAL_PORTS, DEFAULT_SNAT_PORTS, IPPROTO_TCP, SNAT_ADDR_IPV6, SnatEntry,
-    TCP_SNAT_PORT_LOW,
+    Addr, CT_CLOSING, CT_REPLY, Counter, CtEntry, CtKey, DEFAULT_EPHEMERAL_PORTS, DEFAULT_SNAT_PORTS, IPPROTO_TCP,
+    SNAT_ADDR_IPV6, SnatEntry, TCP_SNAT_PORT_LOW,
 };
 
 use crate::{
@@ -72,29 +72,15 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
     // the client's port after all, counted: a TCP tuple the backend may
     // still hold in TIME_WAIT, a UDP/SCTP one a node socket may share.
     let tcp = pkt.proto == IPPROTO_TCP;
-    let (low, span, hole_at, hole_len) = if tcp {
-        let (eph_min, eph_max) = (EPHEMERAL_PORT_MIN.load(), EPHEMERAL_PORT_MAX.load());
-        let hole_len = eph_max.wrapping_sub(eph_min).wrapping_add(1);
-        let low = TCP_SNAT_PORT_LOW as u32;
-        (low, 65536 - low - hole_len, eph_min, hole_len)
-    } else {
-        let min = SNAT_PORT_MIN.load();
-        (min, SNAT_PORT_MAX.load().wrapping_sub(min).wrapping_add(1), u32::MAX, 0)
-    };
-    // NonZero: a division the verifier can see has no panic path.
-    let span = NonZeroU32::new(span)?;
-    let keep_first = tcp || (u16::from_be(t.sport) as u32).wrapping_sub(low) < span.get();
+    let ports = if tcp { Ports::tcp()? } else { Ports::outside_ephemeral()? };
+    let keep_first = tcp || ports.holds(t.sport);
     let mut port = t.sport;
     for i in 0..=PORT_TRIES + 1 {
         let last_resort = i == PORT_TRIES + 1;
         if last_resort {
             port = t.sport;
         } else if i > 0 || !keep_first {
-            let mut p = low + unsafe { bpf_get_prandom_u32() } % span;
-            if p >= hole_at {
-                p += hole_len;
-            }
-            port = (p as u16).to_be();
+            port = ports.draw();
         }
         let key = snat_key(t, &addr, port);
         let usable = match conntrack::snat_tuple(&key, &plain, &t.src, t.sport) {
@@ -111,7 +97,7 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
         if last_resort {
             count(Counter::SnatPortShared);
         }
-        if tcp && (u16::from_be(port) as u32).wrapping_sub(hole_at) < hole_len {
+        if tcp && Ports::ephemeral(port) {
             arm_node_flows();
         }
         let entry = SnatEntry { addr, port, _pad: [0; 6] };
@@ -121,6 +107,63 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
         return Some((addr, port));
     }
     None
+}
+
+/// Ports to draw from (host order): `span` ports from `low`, skipping the
+/// `hole_len` ports from `hole_at`.
+struct Ports {
+    low: u32,
+    // NonZero: a division the verifier can see has no panic path.
+    span: NonZeroU32,
+    hole_at: u32,
+    hole_len: u32,
+}
+
+impl Ports {
+    /// TCP's: from TCP_SNAT_PORT_LOW up, around the ephemeral ports.
+    #[inline(always)]
+    fn tcp() -> Option<Ports> {
+        let (hole_at, hole_len) = Self::ephemeral_range();
+        let low = TCP_SNAT_PORT_LOW as u32;
+        Some(Ports { low, span: NonZeroU32::new(65536 - low - hole_len)?, hole_at, hole_len })
+    }
+
+    /// UDP's and SCTP's: SNAT_PORT_*.
+    #[inline(always)]
+    fn outside_ephemeral() -> Option<Ports> {
+        let low = SNAT_PORT_MIN.load();
+        let span = NonZeroU32::new(SNAT_PORT_MAX.load().wrapping_sub(low).wrapping_add(1))?;
+        Some(Ports { low, span, hole_at: u32::MAX, hole_len: 0 })
+    }
+
+    #[inline(always)]
+    fn ephemeral_range() -> (u32, u32) {
+        let (min, max) = (EPHEMERAL_PORT_MIN.load(), EPHEMERAL_PORT_MAX.load());
+        (min, max.wrapping_sub(min).wrapping_add(1))
+    }
+
+    /// Whether `port` (network order) is one of the node's ephemeral ports.
+    #[inline(always)]
+    fn ephemeral(port: u16) -> bool {
+        let (min, len) = Self::ephemeral_range();
+        (u16::from_be(port) as u32).wrapping_sub(min) < len
+    }
+
+    /// Whether `port` (network order) lies in the span (a hole aside).
+    #[inline(always)]
+    fn holds(&self, port: u16) -> bool {
+        (u16::from_be(port) as u32).wrapping_sub(self.low) < self.span.get()
+    }
+
+    /// A random one, in network order.
+    #[inline(always)]
+    fn draw(&self) -> u16 {
+        let mut p = self.low + unsafe { bpf_get_prandom_u32() } % self.span;
+        if p >= self.hole_at {
+            p += self.hole_len;
+        }
+        (p as u16).to_be()
+    }
 }
 
 /// Whether a node socket's connection may meet a masqueraded flow's tuple:
@@ -175,16 +218,9 @@ pub fn node_source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
         }
         return None;
     }
-    let (eph_min, eph_max) = (EPHEMERAL_PORT_MIN.load(), EPHEMERAL_PORT_MAX.load());
-    let hole_len = eph_max.wrapping_sub(eph_min).wrapping_add(1);
-    let low = TCP_SNAT_PORT_LOW as u32;
-    let span = NonZeroU32::new(65536 - low - hole_len)?;
+    let ports = Ports::tcp()?;
     for _ in 0..PORT_TRIES {
-        let mut p = low + unsafe { bpf_get_prandom_u32() } % span;
-        if p >= eph_min {
-            p += hole_len;
-        }
-        let port = (p as u16).to_be();
+        let port = ports.draw();
         let key = snat_key(t, &t.src, port);
         if conntrack::snat_tuple(&key, &own, &t.src, t.sport) != SnatTuple::Free || socket_holds(ctx, &key, pkt.v6) {
             continue;

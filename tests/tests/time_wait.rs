@@ -30,8 +30,12 @@ use proxy_tests::{
 
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 2);
 const BACKEND: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 11);
-const CLIENTS: [Ipv4Addr; 4] =
-    [Ipv4Addr::new(203, 0, 113, 2), Ipv4Addr::new(203, 0, 113, 3), Ipv4Addr::new(203, 0, 113, 4), Ipv4Addr::new(203, 0, 113, 5)];
+const CLIENTS: [Ipv4Addr; 4] = [
+    Ipv4Addr::new(203, 0, 113, 2),
+    Ipv4Addr::new(203, 0, 113, 3),
+    Ipv4Addr::new(203, 0, 113, 4),
+    Ipv4Addr::new(203, 0, 113, 5),
+];
 const NODE_PORT: u16 = 30080;
 const TARGET: u16 = 8080;
 const CONNECTIONS: usize = 4000;
@@ -103,7 +107,9 @@ fn counter(root: &std::path::Path, c: Counter) -> Result<u64> {
 fn server_closed_connections_through_a_node_port_never_meet_time_wait() -> Result<()> {
     let Setup { agent, root, ext, .. } = &setup("timewait")?;
     let to = SocketAddr::from((NODE_IP, NODE_PORT));
-    let (retransmitted, max_connect, done) = ext.ns.run(move || -> Result<(Vec<(usize, u32, Duration)>, Duration, usize)> {
+    // (connection, retransmissions, connect time) of each that retransmitted.
+    type Run = (Vec<(usize, u32, Duration)>, Duration, usize);
+    let (retransmitted, max_connect, done) = ext.ns.run(move || -> Result<Run> {
         let mut retransmitted = Vec::new();
         let mut max_connect = Duration::ZERO;
         let start = std::time::Instant::now();
@@ -112,7 +118,8 @@ fn server_closed_connections_through_a_node_port_never_meet_time_wait() -> Resul
                 std::thread::sleep(wait);
             }
             let from = IpAddr::V4(CLIENTS[i % CLIENTS.len()]);
-            let c = server_closed_once(Some(from), to, CONNECT_TIMEOUT).with_context(|| format!("connection {i} from {from}"))?;
+            let c = server_closed_once(Some(from), to, CONNECT_TIMEOUT)
+                .with_context(|| format!("connection {i} from {from}"))?;
             max_connect = max_connect.max(c.connect);
             if c.retransmits > 0 {
                 retransmitted.push((i, c.retransmits, c.connect));
@@ -125,7 +132,8 @@ fn server_closed_connections_through_a_node_port_never_meet_time_wait() -> Resul
     })??;
     let shared = counter(root, Counter::SnatPortShared)?;
     println!(
-        "{done} server-closed connections through the NodePort: {} needed a SYN retransmission, longest connect {max_connect:?}, snat_port_shared {shared}",
+        "{done} server-closed connections through the NodePort: {} needed a SYN retransmission, \
+         longest connect {max_connect:?}, snat_port_shared {shared}",
         retransmitted.len()
     );
     assert!(
@@ -152,7 +160,8 @@ fn a_node_socket_on_a_masqueraded_flows_port_gets_its_own() -> Result<()> {
         ns.run(move || -> Result<std::net::TcpStream> {
             let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
             s.bind(&SocketAddr::from((from, P)).into())?;
-            s.connect_timeout(&to.into(), Duration::from_secs(3)).with_context(|| format!("connect {from}:{P} -> {to}"))?;
+            s.connect_timeout(&to.into(), Duration::from_secs(3))
+                .with_context(|| format!("connect {from}:{P} -> {to}"))?;
             let s: std::net::TcpStream = s.into();
             s.set_read_timeout(Some(Duration::from_secs(3)))?;
             Ok(s)

@@ -52,7 +52,8 @@ pub enum Mode {
 }
 
 impl Mode {
-    pub const ALL: [Mode; 5] = [Mode::TcpConnect, Mode::TcpConnectServerClose, Mode::TcpKept, Mode::UdpRr, Mode::UdpStream];
+    pub const ALL: [Mode; 5] =
+        [Mode::TcpConnect, Mode::TcpConnectServerClose, Mode::TcpKept, Mode::UdpRr, Mode::UdpStream];
 
     pub fn label(self) -> &'static str {
         match self {
