@@ -21,11 +21,15 @@ pub const MAP_IPV6_PROGRAMS: &str = "IPV6_PROGRAMS";
 /// One u32 the agent increments after it removes a backend: see
 /// `CtEntry::backends_epoch`.
 pub const MAP_BACKENDS_EPOCH: &str = "BACKENDS_EPOCH";
+/// One u32, non-zero once a masqueraded TCP flow kept a client port inside
+/// the node's ephemeral range: from then on a node socket may meet its
+/// tuple, and egress looks at node sockets' packets (see `Counter::NodeSnat`).
+pub const MAP_NODE_SNAT: &str = "NODE_SNAT";
 
-/// Loader-set globals of the BPF object: the source ports masqueraded flows
-/// may take (host order, inclusive). The agent puts them outside the node's
-/// ephemeral port range, so a masqueraded flow and a node socket never share
-/// a port towards the same backend.
+/// Loader-set globals of the BPF object: the source ports masqueraded UDP
+/// and SCTP flows may take (host order, inclusive). The agent puts them
+/// outside the node's ephemeral port range, so a masqueraded flow and a node
+/// socket never share a port towards the same backend.
 pub const GLOBAL_SNAT_PORT_MIN: &str = "SNAT_PORT_MIN";
 pub const GLOBAL_SNAT_PORT_MAX: &str = "SNAT_PORT_MAX";
 /// Loader-set globals, 1 where the running kernel has the helper (see the
@@ -35,6 +39,17 @@ pub const GLOBAL_HAS_COARSE_CLOCK: &str = "HAS_COARSE_CLOCK";
 pub const GLOBAL_HAS_SET_RETVAL: &str = "HAS_SET_RETVAL";
 /// Above Linux's default ephemeral range (32768-60999).
 pub const DEFAULT_SNAT_PORTS: (u16, u16) = (61000, 65535);
+/// Loader-set globals: the node's ephemeral ports (`ip_local_port_range`,
+/// host order, inclusive, within `TCP_SNAT_PORT_LOW..=65535`). A TCP flow
+/// whose client port cannot be kept draws from `TCP_SNAT_PORT_LOW..=65535`
+/// outside them.
+pub const GLOBAL_EPHEMERAL_PORT_MIN: &str = "EPHEMERAL_PORT_MIN";
+pub const GLOBAL_EPHEMERAL_PORT_MAX: &str = "EPHEMERAL_PORT_MAX";
+/// Linux's default `ip_local_port_range`.
+pub const DEFAULT_EPHEMERAL_PORTS: (u16, u16) = (32768, 60999);
+/// The lowest port a masqueraded TCP flow draws (the privileged ports stay
+/// out, as netfilter keeps them for sources that had one).
+pub const TCP_SNAT_PORT_LOW: u16 = 1024;
 
 pub const MAX_FRONTENDS: u32 = 1_048_576;
 pub const MAX_BACKEND_SLOTS: u32 = 1_048_576;
@@ -172,16 +187,18 @@ pub const CT_MASQUERADE: u8 = 1 << 0;
 /// A FIN or RST went through this direction (on a masqueraded flow's SNAT
 /// reply entry: through either): once idle for `CT_CLOSING_TIMEOUT_NS` the
 /// entry counts as gone, so a later flow that reuses the tuple starts afresh;
-/// a new TCP connection may take a closing flow's SNAT port sooner, see
-/// `CT_SNAT_REUSE_IDLE_NS`.
+/// a masqueraded flow's SNAT tuple stays reserved longer, see
+/// `CT_SNAT_TIME_WAIT_NS`.
 pub const CT_CLOSING: u8 = 1 << 1;
 pub const CT_CLOSING_TIMEOUT_NS: u64 = 10_000_000_000;
-/// A new TCP connection may take the SNAT port of a flow that saw a FIN or
-/// RST once that flow has been quiet this long (as Linux NAT reuses a
-/// TIME_WAIT tuple): under connection churn the port table then holds little
-/// more than the open connections, while a closing flow's last packets (the
-/// ACK of a FIN, the data of a half-closed connection) still reach it.
-pub const CT_SNAT_REUSE_IDLE_NS: u64 = 1_000_000_000;
+/// A closed masqueraded TCP flow's SNAT tuple (node address and port,
+/// backend) goes to no other client for this long after its last packet:
+/// the backend, if it closed first, holds the tuple in TIME_WAIT (60 s on
+/// Linux) and answers another client's SYN there with a bare ACK unless its
+/// sequence number happens to be newer: a one-second connect stall. As
+/// netfilter's TIME_WAIT timeout. The same client reopening the same
+/// connection may take it (its sequence numbers and timestamps grow).
+pub const CT_SNAT_TIME_WAIT_NS: u64 = 120_000_000_000;
 
 #[repr(C)]
 #[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
@@ -359,9 +376,17 @@ pub enum Counter {
     RejectFailed = 17,
     /// IPv6 packet with extension headers before its L4 header: passed untouched.
     ExtensionHeader = 18,
-    /// Masquerade found no free port outside the node's ephemeral range and
-    /// kept the client's port, which a node socket may also take.
+    /// Masquerade found no free port: it kept the client's port, for TCP a
+    /// tuple still reserved for another client's closed flow (the backend
+    /// may hold it in TIME_WAIT: that connect may stall a second), for UDP
+    /// and SCTP one inside the node's ephemeral range (a node socket may
+    /// take it too).
     SnatPortShared = 19,
+    /// A node socket's new TCP connection met the tuple of a masqueraded
+    /// flow (or of one closed less than CT_SNAT_TIME_WAIT_NS ago) towards
+    /// the same backend: it leaves with a port of its own, as Linux NAT
+    /// remaps a local connection whose tuple is taken.
+    NodeSnat = 20,
 }
 
 /// Slots of the IPv6 program array: which IPv6 program each IPv4 program
@@ -373,11 +398,11 @@ pub const IPV6_PROG_TRACE: u32 = 2;
 pub const IPV6_PROG_MASQUERADE: u32 = 3;
 pub const IPV6_PROG_COUNT: u32 = 4;
 
-pub const COUNTER_NAMES: [&str; 20] = [
+pub const COUNTER_NAMES: [&str; 21] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",
     "fragment", "rebalanced", "rewrite_failed", "rejected", "drop_unallocated",
     "drop_source_range", "drop_no_local", "masqueraded", "snat_failed", "affinity_hit",
-    "reject_failed", "extension_header", "snat_port_shared",
+    "reject_failed", "extension_header", "snat_port_shared", "node_snat",
 ];
 /// Slots of the pinned `COUNTERS` array: room to add counters without
 /// changing the map's layout (which an upgrade could not reuse). At most 32:

@@ -7,8 +7,8 @@ use aya_ebpf::{
     helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
 };
 use proxy_common::{
-    Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, CT_SNAT_REUSE_IDLE_NS, CtEntry,
-    CtKey, ServiceEntry,
+    Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, CT_SNAT_TIME_WAIT_NS,
+    CtEntry, CtKey, ServiceEntry,
 };
 
 use crate::maps::{CONNTRACK, SNAT};
@@ -103,20 +103,57 @@ pub fn create(
     Ok(())
 }
 
-/// Claims `snat_key` (backend -> SNAT address:port) for a masqueraded flow's
-/// replies; fails if another flow holds it, so the caller tries another port.
-/// `plain_reply` is the flow's ordinary reply entry (it names the frontend);
-/// `client` is where the replies really go. A new TCP connection (`opens`)
-/// may take the port of a flow that closed and went quiet
-/// (`CT_SNAT_REUSE_IDLE_NS`).
+/// Who holds a SNAT reply tuple (backend -> SNAT address:port), as seen by
+/// a masqueraded flow that would take it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum SnatTuple {
+    /// No flow, or only this flow itself (the same client and frontend: a
+    /// retransmission, or the client reopening its closed connection, whose
+    /// sequence numbers the backend's TIME_WAIT accepts).
+    Free,
+    /// Another client's flow closed less than `CT_SNAT_TIME_WAIT_NS` ago:
+    /// the backend may hold the tuple in TIME_WAIT.
+    Reserved,
+    /// Another flow's, open.
+    Held,
+}
+
+/// The state of `snat_key` for the flow whose plain reply entry is
+/// `plain_reply` (it names the frontend) and whose client is
+/// `client:client_port`. Reads the raw entry: `lookup` forgets a closed
+/// flow after `CT_CLOSING_TIMEOUT_NS`, long before its TIME_WAIT ends.
 #[inline(always)]
-pub fn claim_snat_reply(
-    snat_key: &CtKey,
-    plain_reply: &CtEntry,
-    client: &Addr,
-    client_port: u16,
-    opens: bool,
-) -> Result<(), i32> {
+pub fn snat_tuple(snat_key: &CtKey, plain_reply: &CtEntry, client: &Addr, client_port: u16) -> SnatTuple {
+    let Some(held) = (unsafe { CONNTRACK.get(snat_key) }) else { return SnatTuple::Free };
+    let same_flow = held.rev_addr == *client
+        && held.rev_port == client_port
+        && held.nat_addr == plain_reply.nat_addr
+        && held.nat_port == plain_reply.nat_port;
+    if same_flow {
+        SnatTuple::Free
+    } else if held.flags & CT_CLOSING == 0 {
+        SnatTuple::Held
+    } else if now().saturating_sub(held.last_seen_ns) < CT_SNAT_TIME_WAIT_NS {
+        SnatTuple::Reserved
+    } else {
+        SnatTuple::Free
+    }
+}
+
+/// Whether a masqueraded flow other than `client:client_port`'s holds
+/// `snat_key` (open, or closed and reserved): a node socket's connection on
+/// that tuple would meet its backend's replies or TIME_WAIT.
+#[inline(always)]
+pub fn masquerade_holds(snat_key: &CtKey, own_reply: &CtEntry, client: &Addr, client_port: u16) -> bool {
+    let masqueraded = unsafe { CONNTRACK.get(snat_key) }.is_some_and(|e| e.flags & CT_MASQUERADE != 0);
+    masqueraded && snat_tuple(snat_key, own_reply, client, client_port) != SnatTuple::Free
+}
+
+/// Records `snat_key` as the reply tuple of a masqueraded flow: replies go
+/// to `client:client_port`; `plain_reply` is the flow's ordinary reply entry.
+/// The caller checked `snat_tuple`.
+#[inline(always)]
+pub fn claim_snat_reply(snat_key: &CtKey, plain_reply: &CtEntry, client: &Addr, client_port: u16) -> Result<(), i32> {
     let now = now();
     let entry = CtEntry {
         rev_addr: *client,
@@ -126,13 +163,6 @@ pub fn claim_snat_reply(
         last_seen_ns: now,
         ..*plain_reply
     };
-    // The reply entries are the port table: a live one is another flow's.
-    let reusable = |held: &CtEntry| {
-        held.flags & CT_CLOSING != 0 && now.saturating_sub(held.last_seen_ns) >= CT_SNAT_REUSE_IDLE_NS
-    };
-    if lookup(snat_key).is_some_and(|held| !(opens && reusable(held))) {
-        return Err(-1);
-    }
     CONNTRACK.insert(snat_key, &entry, BPF_ANY as u64)
 }
 

@@ -41,7 +41,7 @@ mod program {
         programs::{SockAddrContext, TcContext},
     };
     use proxy_common::{
-        CT_CLOSING, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, IPV6_PROG_EGRESS, IPV6_PROG_INGRESS,
+        CT_CLOSING, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, IPPROTO_TCP, IPV6_PROG_EGRESS, IPV6_PROG_INGRESS,
         IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, MASQUERADE_MARK, REVERSE_NAT_MARK, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
         SVC_SOURCE_RANGES,
     };
@@ -234,6 +234,14 @@ mod program {
     fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
         let mark = crate::skb::mark(ctx);
         if mark & (MASQUERADE_MARK | REVERSE_NAT_MARK) == 0 {
+            // A node socket's own connection: translated only if it met a
+            // masqueraded flow's tuple (see masquerade::node_source_for).
+            if skb::from_local_socket(ctx) && masquerade::node_flows_armed() {
+                if !V6 && skb::is_ipv6(ctx) {
+                    return to_ipv6::<false>(ctx, IPV6_PROG_EGRESS);
+                }
+                return node_flow::<V6>(ctx);
+            }
             return NOT_OURS;
         }
         if !V6 && skb::is_ipv6(ctx) {
@@ -256,6 +264,23 @@ mod program {
             count(Counter::SnatFailed);
             return NOT_OURS;
         };
+        match nat::rewrite_src(ctx, &pkt, &addr, port) {
+            Ok(()) => TC_ACT_OK as i32,
+            Err(_) => {
+                count(Counter::RewriteFailed);
+                DROP
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn node_flow<const V6: bool>(ctx: &TcContext) -> i32 {
+        let parsed = if V6 { parse6::parse(ctx) } else { parse::parse(ctx) };
+        let Ok(pkt) = parsed else { return NOT_OURS };
+        if pkt.proto != IPPROTO_TCP {
+            return NOT_OURS;
+        }
+        let Some((addr, port)) = masquerade::node_source_for(ctx, &pkt) else { return NOT_OURS };
         match nat::rewrite_src(ctx, &pkt, &addr, port) {
             Ok(()) => TC_ACT_OK as i32,
             Err(_) => {

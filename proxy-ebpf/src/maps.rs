@@ -23,6 +23,11 @@ pub static BACKENDS: HashMap<u32, Backend> = HashMap::pinned(MAX_BACKENDS, BPF_F
 #[map]
 pub static BACKENDS_EPOCH: Array<u32> = Array::pinned(1, 0);
 
+/// Slot 0: see MAP_NODE_SNAT. Pinned, as the node flows it lets egress
+/// translate outlive an agent restart.
+#[map]
+pub static NODE_SNAT: Array<u32> = Array::pinned(1, 0);
+
 #[map]
 pub static CONNTRACK: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(MAX_CONNTRACK, 0);
 

@@ -5,27 +5,45 @@
 
 use core::num::NonZeroU32;
 
-use aya_ebpf::{Global, helpers::bpf_get_prandom_u32, programs::TcContext};
-use proxy_common::{Addr, CT_REPLY, Counter, CtKey, DEFAULT_SNAT_PORTS, SNAT_ADDR_IPV6, SnatEntry};
+use aya_ebpf::{
+    EbpfContext, Global,
+    bindings::{BPF_F_CURRENT_NETNS, bpf_sock_tuple},
+    helpers::{bpf_get_prandom_u32, bpf_sk_release, bpf_skc_lookup_tcp},
+    programs::TcContext,
+};
+use proxy_common::{
+    Addr, CT_CLOSING, CT_REPLY, Counter, CtEntry, CtKey, DEFAULT_EPHEMERAL_PORTS, DEFAULT_SNAT_PORTS, IPPROTO_TCP,
+    SNAT_ADDR_IPV6, SnatEntry, TCP_SNAT_PORT_LOW,
+};
 
 use crate::{
-    conntrack,
-    maps::{SNAT, SNAT_ADDRS, count},
+    conntrack::{self, SnatTuple},
+    maps::{NODE_SNAT, SNAT, SNAT_ADDRS, count},
     parse::Packet,
 };
 
 /// Random ports tried when the client's own one cannot be kept.
-const PORT_TRIES: u32 = 8;
+const PORT_TRIES: u32 = 16;
 
-/// The range SNAT ports come from (host order, inclusive), set by the agent
-/// at load to lie outside the node's ephemeral ports: the node's own sockets
-/// (sent straight to backends by the socket hooks) take ephemeral ports the
-/// kernel picks without seeing this table, so a masqueraded flow holding one
-/// towards the same backend would take that socket's replies.
+/// The range UDP and SCTP SNAT ports come from (host order, inclusive), set
+/// by the agent at load to lie outside the node's ephemeral ports: the
+/// node's own sockets (sent straight to backends by the socket hooks) take
+/// ephemeral ports the kernel picks without seeing this table, so a
+/// masqueraded flow holding one towards the same backend would take that
+/// socket's replies.
 #[unsafe(no_mangle)]
 static SNAT_PORT_MIN: Global<u32> = Global::new(DEFAULT_SNAT_PORTS.0 as u32);
 #[unsafe(no_mangle)]
 static SNAT_PORT_MAX: Global<u32> = Global::new(DEFAULT_SNAT_PORTS.1 as u32);
+
+/// The node's ephemeral ports (host order, inclusive, at or above
+/// TCP_SNAT_PORT_LOW), set by the agent at load: TCP draws around them. TCP
+/// can draw from the whole rest of the port space, not only SNAT_PORT_*,
+/// because it asks the node's socket table whether a port is in use.
+#[unsafe(no_mangle)]
+static EPHEMERAL_PORT_MIN: Global<u32> = Global::new(DEFAULT_EPHEMERAL_PORTS.0 as u32);
+#[unsafe(no_mangle)]
+static EPHEMERAL_PORT_MAX: Global<u32> = Global::new(DEFAULT_EPHEMERAL_PORTS.1 as u32);
 
 /// The source (address, port in network order) this masqueraded flow leaves
 /// with: the one chosen for its first packet, else a new one.
@@ -46,36 +64,209 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
     let ifindex = crate::skb::ifindex(ctx) | family;
     let addr = unsafe { SNAT_ADDRS.get(&ifindex).or_else(|| SNAT_ADDRS.get(&family)) }.copied()?;
 
-    // Keep the client's port if it lies in the range and is free (as Linux
-    // NAT keeps it), else try random ones from the range; the reply entries
-    // are the port table. If the range is full, the client's port even
-    // inside the ephemeral range: a flow that may share a node socket's
-    // replies rather than one surely dropped.
-    let min = SNAT_PORT_MIN.load();
-    // NonZero: a division the verifier can see has no panic path.
-    let span = NonZeroU32::new(SNAT_PORT_MAX.load().wrapping_sub(min).wrapping_add(1))?;
-    let client_port_in_range = (u16::from_be(t.sport) as u32).wrapping_sub(min) < span.get();
-    let opens = pkt.opens_connection();
+    // Keep the client's port if its tuple towards the backend is free (as
+    // Linux NAT keeps it), else try random ones; the reply entries are the
+    // port table. TCP keeps any port no node socket holds and draws outside
+    // the ephemeral range; UDP and SCTP, which cannot ask the socket table
+    // cheaply, keep and draw only inside SNAT_PORT_*. If every try fails,
+    // the client's port after all, counted: a TCP tuple the backend may
+    // still hold in TIME_WAIT, a UDP/SCTP one a node socket may share.
+    let tcp = pkt.proto == IPPROTO_TCP;
+    let ports = if tcp { Ports::tcp()? } else { Ports::outside_ephemeral()? };
+    let keep_first = tcp || ports.holds(t.sport);
     let mut port = t.sport;
     for i in 0..=PORT_TRIES + 1 {
         let last_resort = i == PORT_TRIES + 1;
         if last_resort {
             port = t.sport;
-        } else if i > 0 || !client_port_in_range {
-            port = ((min + unsafe { bpf_get_prandom_u32() } % span) as u16).to_be();
+        } else if i > 0 || !keep_first {
+            port = ports.draw();
         }
-        if conntrack::claim_snat_reply(&snat_key(t, &addr, port), &plain, &t.src, t.sport, opens).is_ok() {
-            if last_resort {
-                count(Counter::SnatPortShared);
-            }
-            let entry = SnatEntry { addr, port, _pad: [0; 6] };
-            if SNAT.insert(t, &entry, 0).is_err() {
-                count(Counter::SnatFailed);
-            }
-            return Some((addr, port));
+        let key = snat_key(t, &addr, port);
+        let usable = match conntrack::snat_tuple(&key, &plain, &t.src, t.sport) {
+            SnatTuple::Free => true,
+            SnatTuple::Reserved => last_resort,
+            SnatTuple::Held => false,
+        };
+        if !usable || (tcp && socket_holds(ctx, &key, pkt.v6)) {
+            continue;
         }
+        if conntrack::claim_snat_reply(&key, &plain, &t.src, t.sport).is_err() {
+            break;
+        }
+        if last_resort {
+            count(Counter::SnatPortShared);
+        }
+        if tcp && Ports::ephemeral(port) {
+            arm_node_flows();
+        }
+        let entry = SnatEntry { addr, port, _pad: [0; 6] };
+        if SNAT.insert(t, &entry, 0).is_err() {
+            count(Counter::SnatFailed);
+        }
+        return Some((addr, port));
     }
     None
+}
+
+/// Ports to draw from (host order): `span` ports from `low`, skipping the
+/// `hole_len` ports from `hole_at`.
+struct Ports {
+    low: u32,
+    // NonZero: a division the verifier can see has no panic path.
+    span: NonZeroU32,
+    hole_at: u32,
+    hole_len: u32,
+}
+
+impl Ports {
+    /// TCP's: from TCP_SNAT_PORT_LOW up, around the ephemeral ports.
+    #[inline(always)]
+    fn tcp() -> Option<Ports> {
+        let (hole_at, hole_len) = Self::ephemeral_range();
+        let low = TCP_SNAT_PORT_LOW as u32;
+        Some(Ports { low, span: NonZeroU32::new(65536 - low - hole_len)?, hole_at, hole_len })
+    }
+
+    /// UDP's and SCTP's: SNAT_PORT_*.
+    #[inline(always)]
+    fn outside_ephemeral() -> Option<Ports> {
+        let low = SNAT_PORT_MIN.load();
+        let span = NonZeroU32::new(SNAT_PORT_MAX.load().wrapping_sub(low).wrapping_add(1))?;
+        Some(Ports { low, span, hole_at: u32::MAX, hole_len: 0 })
+    }
+
+    #[inline(always)]
+    fn ephemeral_range() -> (u32, u32) {
+        let (min, max) = (EPHEMERAL_PORT_MIN.load(), EPHEMERAL_PORT_MAX.load());
+        (min, max.wrapping_sub(min).wrapping_add(1))
+    }
+
+    /// Whether `port` (network order) is one of the node's ephemeral ports.
+    #[inline(always)]
+    fn ephemeral(port: u16) -> bool {
+        let (min, len) = Self::ephemeral_range();
+        (u16::from_be(port) as u32).wrapping_sub(min) < len
+    }
+
+    /// Whether `port` (network order) lies in the span (a hole aside).
+    #[inline(always)]
+    fn holds(&self, port: u16) -> bool {
+        (u16::from_be(port) as u32).wrapping_sub(self.low) < self.span.get()
+    }
+
+    /// A random one, in network order.
+    #[inline(always)]
+    fn draw(&self) -> u16 {
+        let mut p = self.low + unsafe { bpf_get_prandom_u32() } % self.span;
+        if p >= self.hole_at {
+            p += self.hole_len;
+        }
+        (p as u16).to_be()
+    }
+}
+
+/// Whether a node socket's connection may meet a masqueraded flow's tuple:
+/// only once masquerade kept a TCP client port inside the node's ephemeral
+/// range (the kernel may hand the same port to a node socket later). Until
+/// then egress never looks at node sockets' packets.
+#[inline(always)]
+pub fn node_flows_armed() -> bool {
+    NODE_SNAT.get(0).is_some_and(|armed| *armed != 0)
+}
+
+#[inline(always)]
+fn arm_node_flows() {
+    if let Some(armed) = NODE_SNAT.get_ptr_mut(0) {
+        unsafe { *armed = 1 };
+    }
+}
+
+/// The source a node socket's TCP packet leaves with, if not its own: Linux
+/// NAT gives a local connection whose tuple a NATed flow already holds
+/// another source port, and so does this. A SYN whose tuple towards the
+/// backend is a masqueraded flow's (open, or closed and still reserved for
+/// the backend's TIME_WAIT) gets a port drawn as for a masqueraded flow,
+/// with a reply entry sending the backend's replies back to the socket's
+/// own port; the connection's later packets find it in SNAT. The address
+/// stays the socket's.
+#[inline(always)]
+pub fn node_source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
+    let t = &pkt.tuple;
+    // The replies as the socket expects them: from the backend itself.
+    let own = CtEntry { nat_addr: t.dst, nat_port: t.dport, direction: CT_REPLY, ..Default::default() };
+    let ours = unsafe { SNAT.get(t) }.filter(|e| e.addr == t.src).copied();
+    if let Some(e) = ours {
+        let key = snat_key(t, &e.addr, e.port);
+        // A SYN on a tuple whose earlier connection closed is a new
+        // connection: it is looked at afresh below.
+        let current = !pkt.opens_connection() || conntrack::lookup(&key).is_some_and(|r| r.flags & CT_CLOSING == 0);
+        if current {
+            if pkt.closes_connection() {
+                conntrack::close_snat_reply(&key);
+            }
+            return Some((e.addr, e.port));
+        }
+    }
+    if !pkt.opens_connection() {
+        return None;
+    }
+    if !conntrack::masquerade_holds(&snat_key(t, &t.src, t.sport), &own, &t.src, t.sport) {
+        if ours.is_some() {
+            // A SNAT choice left by an earlier connection on this tuple.
+            let _ = SNAT.remove(t);
+        }
+        return None;
+    }
+    let ports = Ports::tcp()?;
+    for _ in 0..PORT_TRIES {
+        let port = ports.draw();
+        let key = snat_key(t, &t.src, port);
+        if conntrack::snat_tuple(&key, &own, &t.src, t.sport) != SnatTuple::Free || socket_holds(ctx, &key, pkt.v6) {
+            continue;
+        }
+        conntrack::claim_snat_reply(&key, &own, &t.src, t.sport).ok()?;
+        let entry = SnatEntry { addr: t.src, port, _pad: [0; 6] };
+        if SNAT.insert(t, &entry, 0).is_err() {
+            count(Counter::SnatFailed);
+        }
+        count(Counter::NodeSnat);
+        return Some((t.src, port));
+    }
+    count(Counter::SnatFailed);
+    None
+}
+
+/// Whether a node socket holds the tuple of `reply` (backend -> node
+/// address:port): a connection, a TIME_WAIT, or a listener on that port.
+/// Its replies would meet the masqueraded flow's. Looked up in the netns of
+/// the interface, the node's.
+#[inline(always)]
+fn socket_holds(ctx: &TcContext, reply: &CtKey, v6: bool) -> bool {
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    let size = unsafe {
+        if v6 {
+            let t = &mut tuple.__bindgen_anon_1.ipv6;
+            t.saddr = core::mem::transmute::<[u8; 16], [u32; 4]>(reply.src.0);
+            t.daddr = core::mem::transmute::<[u8; 16], [u32; 4]>(reply.dst.0);
+            t.sport = reply.sport;
+            t.dport = reply.dport;
+            core::mem::size_of_val(t)
+        } else {
+            let t = &mut tuple.__bindgen_anon_1.ipv4;
+            t.saddr = u32::from_ne_bytes(reply.src.v4_octets());
+            t.daddr = u32::from_ne_bytes(reply.dst.v4_octets());
+            t.sport = reply.sport;
+            t.dport = reply.dport;
+            core::mem::size_of_val(t)
+        }
+    };
+    let sk = unsafe { bpf_skc_lookup_tcp(ctx.as_ptr(), &mut tuple, size as u32, BPF_F_CURRENT_NETNS as u64, 0) };
+    if sk.is_null() {
+        return false;
+    }
+    unsafe { bpf_sk_release(sk as *mut _) };
+    true
 }
 
 /// The tuple the replies of flow `t` (after DNAT) carry once its source is

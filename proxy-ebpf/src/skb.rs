@@ -12,6 +12,13 @@ pub fn mark(ctx: &TcContext) -> u32 {
     unsafe { (*raw(ctx)).mark }
 }
 
+/// Whether a socket of this host sent the packet (at egress: a local
+/// connection, not a forwarded packet).
+#[inline(always)]
+pub fn from_local_socket(ctx: &TcContext) -> bool {
+    unsafe { !(*raw(ctx)).__bindgen_anon_2.sk.is_null() }
+}
+
 /// The interface the packet is on: where it arrived at ingress, where it
 /// leaves at egress.
 #[inline(always)]

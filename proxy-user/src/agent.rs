@@ -47,7 +47,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let features = kernel::probe()?;
     let snat_ports = snat_ports::for_this_node()?;
-    let (mut ebpf, mut maps) = maps::load_with_snat_ports(&args.bpffs_root, snat_ports.clone(), &features)?;
+    let (mut ebpf, mut maps) = maps::load_with_snat_ports(&args.bpffs_root, &snat_ports, &features)?;
     let held = maps.read_contents().context("read pinned maps")?;
     info!(
         bpffs_root = %args.bpffs_root.display(),

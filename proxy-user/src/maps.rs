@@ -19,6 +19,7 @@ use proxy_common::*;
 use crate::{
     kernel::Features,
     reconciler::{Contents, MapWriter},
+    snat_ports::SnatPorts,
 };
 
 /// The compiled datapath, built by aya-build from proxy-ebpf.
@@ -33,10 +34,10 @@ pub const TC_TRACE: &str = "tc_trace";
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 /// Every map the agent pins, by name.
-pub const PINNED_MAPS: [&str; 15] = [
+pub const PINNED_MAPS: [&str; 16] = [
     MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS, MAP_SNAT,
     MAP_SNAT_ADDRS, MAP_CLUSTER_CIDRS, MAP_SERVICE_CIDRS, MAP_SOURCE_RANGES, MAP_AFFINITY, MAP_SOCK_REVNAT,
-    MAP_BACKENDS_EPOCH, MAP_IPV6_PROGRAMS,
+    MAP_BACKENDS_EPOCH, MAP_IPV6_PROGRAMS, MAP_NODE_SNAT,
 ];
 
 /// Each TC program's IPv6 counterparts and their slots in the IPv6 program
@@ -116,20 +117,24 @@ fn load_error(e: aya::EbpfError, root: &Path) -> anyhow::Error {
 /// Loads the programs; maps already pinned under `root` are reused, so a
 /// restart keeps services, backends and conntrack.
 pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
-    load_with_snat_ports(root, DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1, &crate::kernel::probe()?)
+    load_with_snat_ports(root, &SnatPorts::default(), &crate::kernel::probe()?)
 }
 
 /// As `load`, with the source ports masquerade may use (see snat_ports) and
 /// the kernel's optional features.
-pub fn load_with_snat_ports(root: &Path, snat_ports: RangeInclusive<u16>, features: &Features) -> Result<(Ebpf, Maps)> {
+pub fn load_with_snat_ports(root: &Path, ports: &SnatPorts, features: &Features) -> Result<(Ebpf, Maps)> {
     ensure_bpffs(root)?;
-    let (min, max) = (u32::from(*snat_ports.start()), u32::from(*snat_ports.end()));
+    let bounds = |r: &RangeInclusive<u16>| (u32::from(*r.start()), u32::from(*r.end()));
+    let (min, max) = bounds(&ports.masquerade);
+    let (eph_min, eph_max) = bounds(&ports.ephemeral);
     let coarse_clock = u32::from(features.coarse_clock);
     let set_retval = u32::from(features.sock_set_retval);
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(root)
         .override_global(GLOBAL_SNAT_PORT_MIN, &min, true)
         .override_global(GLOBAL_SNAT_PORT_MAX, &max, true)
+        .override_global(GLOBAL_EPHEMERAL_PORT_MIN, &eph_min, true)
+        .override_global(GLOBAL_EPHEMERAL_PORT_MAX, &eph_max, true)
         .override_global(GLOBAL_HAS_COARSE_CLOCK, &coarse_clock, true)
         .override_global(GLOBAL_HAS_SET_RETVAL, &set_retval, true)
         .load(BPF_OBJECT)

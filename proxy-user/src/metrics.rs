@@ -248,7 +248,7 @@ fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64
 type EntryCounter = fn(&Path, &str) -> Result<u64>;
 
 /// How to count the entries of each pinned map: by its key and value types.
-const ENTRY_COUNTERS: [(&str, EntryCounter); 15] = {
+const ENTRY_COUNTERS: [(&str, EntryCounter); 16] = {
     use proxy_common::*;
     [
         (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>),
@@ -266,6 +266,7 @@ const ENTRY_COUNTERS: [(&str, EntryCounter); 15] = {
         // An array: every slot exists.
         (MAP_COUNTERS, |_, _| Ok(u64::from(MAX_COUNTERS))),
         (MAP_BACKENDS_EPOCH, |_, _| Ok(1)),
+        (MAP_NODE_SNAT, |_, _| Ok(1)),
         // The loader fills every slot with an IPv6 program.
         (MAP_IPV6_PROGRAMS, |_, _| Ok(u64::from(IPV6_PROG_COUNT))),
     ]
@@ -306,7 +307,7 @@ fn verdict_of(index: usize) -> (&'static str, &'static str) {
             "dropped"
         }
         // NewFlow, Established, Reply, Rebalanced, Masqueraded, SnatFailed, AffinityHit,
-        // SnatPortShared: the packet was translated (SnatFailed: without masquerade).
+        // SnatPortShared, NodeSnat: the packet was translated (SnatFailed: without masquerade).
         _ => "translated",
     };
     (verdict, COUNTER_NAMES[index])

@@ -264,12 +264,30 @@ fn verdict_cases() -> Vec<Case> {
         .at_egress(MASQUERADE_MARK)
         .then(closed_snat_port_is_closing),
         masqueraded_syn("TCP SYN 203.0.113.4:62000 -> 10.96.0.10:80, a new connection: masqueraded", (EXTERNAL_3, 62000)),
-        snat_to_a_drawn_port("egress: port 62000 is not taken yet (the closed flow's last packets may still come): another one", (EXTERNAL_3, 62000)),
-        masqueraded_syn("TCP SYN 203.0.113.2:40002 -> 10.96.0.10:80: masqueraded", (EXTERNAL, 40002)),
         snat_to_a_drawn_port(
-            "egress: a client port in the node's ephemeral range (a node socket may take it) is replaced from the SNAT range",
-            (EXTERNAL, 40002),
+            "egress: port 62000 stays 203.0.113.2's (the backend may hold it in TIME_WAIT): another one",
+            (EXTERNAL_3, 62000),
         ),
+        masqueraded_syn("TCP SYN 203.0.113.2:40002 -> 10.96.0.10:80: masqueraded", (EXTERNAL, 40002)),
+        Case::new(
+            "egress: a TCP client port in the node's ephemeral range, free and no node socket on it: kept",
+            tcp_syn((EXTERNAL, 40002), (BACKEND, 8080)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((NODE_IP, 40002), (BACKEND, 8080))),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK),
+        node_socket_on_a_taken_tuple(
+            "egress, unmarked: a node socket's SYN 192.168.0.2:40002 -> 10.244.0.11:8080, the masqueraded flow's tuple: a port of its own",
+        ),
+        Case::new(
+            "egress, unmarked: a node socket's SYN 192.168.0.2:40004 -> 10.244.0.11:8080, a free tuple: not ours",
+            tcp_syn((NODE_IP, 40004), (BACKEND, 8080)),
+            TC_ACT_UNSPEC,
+            Expect::Unchanged,
+            &[],
+        )
+        .at_egress(0),
         Case::new("egress: an unmarked packet is not ours", tcp_syn(ext, (BACKEND, 8080)), TC_ACT_UNSPEC, Expect::Unchanged, &[])
             .at_egress(0),
         Case::new(
@@ -283,55 +301,89 @@ fn verdict_cases() -> Vec<Case> {
     ]
 }
 
-/// A closed flow's SNAT port, quiet for longer than CT_SNAT_REUSE_IDLE_NS,
-/// goes to the next TCP connection, as Linux NAT reuses a TIME_WAIT tuple.
+/// A closed flow's SNAT tuple stays its client's for CT_SNAT_TIME_WAIT_NS
+/// (the backend may hold it in TIME_WAIT): another client gets another port,
+/// the same client reopening its connection keeps it; after that time it is
+/// anyone's.
 fn closed_port_reuse_cases() -> Vec<Case> {
     vec![
         masqueraded_syn("TCP SYN 203.0.113.4:62000 -> 10.96.0.10:80: masqueraded", (EXTERNAL_3, 62000)),
+        snat_to_a_drawn_port(
+            "egress: port 62000's flow (203.0.113.2:62000) closed 2 s ago, another client: another port",
+            (EXTERNAL_3, 62000),
+        ),
+        masqueraded_syn("TCP SYN 203.0.113.2:62000 -> 10.96.0.10:80, the closed flow's client reopening: masqueraded", (EXTERNAL, 62000)),
         Case::new(
-            "egress: it takes port 62000 from the flow that closed 2 s ago",
-            tcp_syn((EXTERNAL_3, 62000), (BACKEND, 8080)),
+            "egress: it keeps port 62000 (its own sequence numbers pass the backend's TIME_WAIT)",
+            tcp_syn((EXTERNAL, 62000), (BACKEND, 8080)),
             TC_ACT_OK,
             Expect::Translated(tcp_syn((NODE_IP, 62000), (BACKEND, 8080))),
             &[],
         )
         .at_egress(MASQUERADE_MARK),
         Case::new(
-            "reply 10.244.0.11:8080 -> 192.168.0.2:62000: to the new client 203.0.113.4:62000",
+            "reply 10.244.0.11:8080 -> 192.168.0.2:62000: to 203.0.113.2:62000",
             tcp_data((BACKEND, 8080), (NODE_IP, 62000), b"ok"),
             TC_ACT_OK,
-            Expect::Translated(tcp_data((BACKEND, 8080), (EXTERNAL_3, 62000), b"ok")),
+            Expect::Translated(tcp_data((BACKEND, 8080), (EXTERNAL, 62000), b"ok")),
+            &[Counter::Reply],
+        )
+        .leaves_mark(REVERSE_NAT_MARK),
+        masqueraded_syn("TCP SYN 203.0.113.4:62001 -> 10.96.0.10:80: masqueraded", (EXTERNAL_3, 62001)),
+        Case::new(
+            "egress: port 62001's flow (203.0.113.3:62001) closed 121 s ago, past TIME_WAIT: kept by another client",
+            tcp_syn((EXTERNAL_3, 62001), (BACKEND, 8080)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((NODE_IP, 62001), (BACKEND, 8080))),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK),
+        Case::new(
+            "reply 10.244.0.11:8080 -> 192.168.0.2:62001: to the new client 203.0.113.4:62001",
+            tcp_data((BACKEND, 8080), (NODE_IP, 62001), b"ok"),
+            TC_ACT_OK,
+            Expect::Translated(tcp_data((BACKEND, 8080), (EXTERNAL_3, 62001), b"ok")),
             &[Counter::Reply],
         )
         .leaves_mark(REVERSE_NAT_MARK),
     ]
 }
 
-/// 203.0.113.2:62000's masqueraded flow to the TCP backend, closed (FIN or
-/// RST) and quiet for 2 s, holding SNAT port 62000.
-fn hold_port_of_a_closed_flow(m: &mut Maps) -> anyhow::Result<()> {
+/// The SNAT reply entry of `client`'s masqueraded flow to the TCP backend
+/// through 10.96.0.10:80, on `port`, closed `idle_s` ago.
+fn hold_closed_flow(m: &mut Maps, client: Endpoint, port: u16, idle_s: u64) -> anyhow::Result<()> {
     let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
     let now_ns = now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64;
     let closed = CtEntry {
         direction: CT_REPLY,
         flags: CT_MASQUERADE | CT_CLOSING,
-        rev_addr: Addr::from_v4_octets(EXTERNAL),
-        rev_port: 62000u16.to_be(),
-        last_seen_ns: now_ns - 2_000_000_000,
+        nat_addr: Addr::from_v4_octets(VIP),
+        nat_port: 80u16.to_be(),
+        rev_addr: Addr::from_v4_octets(client.0),
+        rev_port: client.1.to_be(),
+        last_seen_ns: now_ns.saturating_sub(idle_s * 1_000_000_000),
         ..Default::default()
     };
-    m.conntrack.insert(&ct_key((BACKEND, 8080), (NODE_IP, 62000), IPPROTO_TCP), &closed, 0)?;
+    m.conntrack.insert(&ct_key((BACKEND, 8080), (NODE_IP, port), IPPROTO_TCP), &closed, 0)?;
     Ok(())
 }
 
-/// With every port of the SNAT range held towards the backend, masquerade
-/// keeps the client's port (ephemeral or not) rather than drop the flow, and
-/// counts it: such a flow may share a node socket's replies.
+/// 203.0.113.2:62000's flow closed 2 s ago on port 62000, 203.0.113.3:62001's
+/// 121 s ago on port 62001.
+fn hold_ports_of_closed_flows(m: &mut Maps) -> anyhow::Result<()> {
+    hold_closed_flow(m, (EXTERNAL, 62000), 62000, 2)?;
+    hold_closed_flow(m, (EXTERNAL_2, 62001), 62001, 121)
+}
+
+/// With every port TCP draws from held towards the backend, and the
+/// client's port reserved for another client's closed flow, masquerade keeps
+/// the client's port rather than drop the flow, and counts it: the backend
+/// may still hold that tuple in TIME_WAIT.
 fn full_snat_range_cases() -> Vec<Case> {
     vec![
         masqueraded_syn("TCP SYN 203.0.113.2:40003 -> 10.96.0.10:80: masqueraded", (EXTERNAL, 40003)),
         Case::new(
-            "egress, every SNAT port held: the client's port 40003 kept, counted as shared",
+            "egress, every drawable port held, 40003 closed 2 s ago by 203.0.113.3: kept, counted as shared",
             tcp_syn((EXTERNAL, 40003), (BACKEND, 8080)),
             TC_ACT_OK,
             Expect::Translated(tcp_syn((NODE_IP, 40003), (BACKEND, 8080))),
@@ -341,14 +393,33 @@ fn full_snat_range_cases() -> Vec<Case> {
     ]
 }
 
-/// Every port of the default SNAT range held by an open masqueraded flow
-/// towards the TCP backend.
+/// Every port TCP masquerade draws from (1024-65535 outside the default
+/// ephemeral range) held by an open masqueraded flow towards the TCP
+/// backend; port 40003 by another client's flow closed 2 s ago.
 fn hold_every_snat_port(m: &mut Maps) -> anyhow::Result<()> {
     let held = CtEntry { direction: CT_REPLY, flags: CT_MASQUERADE, ..Default::default() };
-    for port in DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1 {
+    for port in (TCP_SNAT_PORT_LOW..=u16::MAX).filter(|p| !is_ephemeral(*p)) {
         m.conntrack.insert(&ct_key((BACKEND, 8080), (NODE_IP, port), IPPROTO_TCP), &held, 0)?;
     }
-    Ok(())
+    hold_closed_flow(m, (EXTERNAL_2, 40003), 40003, 2)
+}
+
+fn is_ephemeral(port: u16) -> bool {
+    (DEFAULT_EPHEMERAL_PORTS.0..=DEFAULT_EPHEMERAL_PORTS.1).contains(&port)
+}
+
+/// The port a listening socket of this test process holds (0: none yet):
+/// masquerade must give no flow a tuple a node socket holds. Set once; the
+/// socket lives as long as the process, so no table draws it meanwhile.
+static NODE_LISTENER_PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+
+/// A node socket on the client's port (a listener of this process, in the
+/// network namespace BPF_PROG_TEST_RUN runs in: the one the lookup asks).
+fn node_socket_cases(port: u16) -> Vec<Case> {
+    vec![
+        masqueraded_syn(&format!("TCP SYN 203.0.113.2:{port} -> 10.96.0.10:80: masqueraded"), (EXTERNAL, port)),
+        snat_to_a_drawn_port(&format!("egress: a node socket listens on port {port}: another port"), (EXTERNAL, port)),
+    ]
 }
 
 fn closed_snat_port_is_closing(maps: &Maps) -> Result<(), String> {
@@ -373,8 +444,9 @@ fn masqueraded_syn(what: &str, client: Endpoint) -> Case {
     .leaves_mark(MASQUERADE_MARK)
 }
 
-/// That SYN at egress: from the node address and a port drawn from the SNAT
-/// range (not 62000, which these tables hold).
+/// That SYN at egress: from the node address and a port TCP draws (from
+/// 1024 up, outside the node's ephemeral range; not 62000, which these
+/// tables hold, nor the port a node socket listens on).
 fn snat_to_a_drawn_port(what: &str, client: Endpoint) -> Case {
     Case::new(
         what,
@@ -382,14 +454,26 @@ fn snat_to_a_drawn_port(what: &str, client: Endpoint) -> Case {
         TC_ACT_OK,
         Expect::TranslatedWith(|out| {
             let port = u16::from_be_bytes([out[ETH_HLEN + 20], out[ETH_HLEN + 21]]);
-            if port == 62000 || !(DEFAULT_SNAT_PORTS.0..=DEFAULT_SNAT_PORTS.1).contains(&port) {
-                return Err(format!("SNAT source port {port}: want a free one in {DEFAULT_SNAT_PORTS:?}, not 62000"));
+            let listening = NODE_LISTENER_PORT.load(std::sync::atomic::Ordering::Relaxed);
+            if port == 62000 || port == listening || port < TCP_SNAT_PORT_LOW || is_ephemeral(port) {
+                return Err(format!(
+                    "SNAT source port {port}: want a free one from {TCP_SNAT_PORT_LOW} up outside {DEFAULT_EPHEMERAL_PORTS:?}, not 62000 nor {listening}"
+                ));
             }
             Ok(tcp_syn((NODE_IP, port), (BACKEND, 8080)))
         }),
         &[],
     )
     .at_egress(MASQUERADE_MARK)
+}
+
+/// A node socket's SYN (BPF_PROG_TEST_RUN gives its skb a socket) on the
+/// tuple 203.0.113.2:40002's masqueraded flow holds: it leaves from a port
+/// drawn for it, counted.
+fn node_socket_on_a_taken_tuple(what: &str) -> Case {
+    let mut case = snat_to_a_drawn_port(what, (NODE_IP, 40002)).at_egress(0);
+    case.counters = vec![Counter::NodeSnat];
+    case
 }
 
 fn masqueraded_reply_is_tracked(maps: &Maps) -> Result<(), String> {
@@ -509,7 +593,7 @@ fn verdict_fixtures() {
 fn closed_port_reuse_fixtures() {
     let mut fx = Fixture::new("fixtures-snat-reuse", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
-    hold_port_of_a_closed_flow(&mut fx.maps).expect("holding SNAT port 62000");
+    hold_ports_of_closed_flows(&mut fx.maps).expect("holding SNAT ports 62000 and 62001");
     run_table(&fx, "closed SNAT port reuse", closed_port_reuse_cases(), recheck_checksums, field);
 }
 
@@ -519,6 +603,17 @@ fn full_snat_range_fixtures() {
     install_policy(&mut fx.maps).expect("filling the policy maps");
     hold_every_snat_port(&mut fx.maps).expect("holding the SNAT ports");
     run_table(&fx, "full SNAT range", full_snat_range_cases(), recheck_checksums, field);
+}
+
+#[test]
+fn node_socket_fixtures() {
+    let mut fx = Fixture::new("fixtures-snat-socket", install_services).unwrap();
+    install_policy(&mut fx.maps).expect("filling the policy maps");
+    let listener = std::net::TcpListener::bind("0.0.0.0:0").expect("a listener on a free port");
+    let port = listener.local_addr().unwrap().port();
+    NODE_LISTENER_PORT.store(port, std::sync::atomic::Ordering::Relaxed);
+    std::mem::forget(listener);
+    run_table(&fx, "node socket on the client's port", node_socket_cases(port), recheck_checksums, field);
 }
 
 #[test]

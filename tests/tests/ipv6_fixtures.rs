@@ -279,6 +279,38 @@ fn masquerade_cases() -> Vec<Case> {
             &[],
         )
         .at_egress(MASQUERADE_MARK),
+        Case::new(
+            "TCP SYN from port 40002 (in the node's ephemeral range) -> [fd00:10:96::40]:80: marked for masquerade",
+            tcp_syn((CLIENT, 40002), (VIP_MASQ, 80)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((CLIENT, 40002), backend)),
+            &[Counter::NewFlow, Counter::Masqueraded],
+        )
+        .leaves_mark(MASQUERADE_MARK),
+        Case::new(
+            "egress: port 40002 kept (its tuple free, no node socket on it)",
+            tcp_syn((CLIENT, 40002), backend),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((NODE_IP6, 40002), backend)),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK),
+        Case::new(
+            "egress, unmarked: a node socket's SYN [2001:db8::1]:40002 -> the backend, that flow's tuple: a port of its own",
+            tcp_syn((NODE_IP6, 40002), backend),
+            TC_ACT_OK,
+            Expect::TranslatedWith(|out| {
+                let at = ETH_HLEN + IPV6_HLEN;
+                let port = u16::from_be_bytes([out[at], out[at + 1]]);
+                let ephemeral = DEFAULT_EPHEMERAL_PORTS.0..=DEFAULT_EPHEMERAL_PORTS.1;
+                if port < TCP_SNAT_PORT_LOW || ephemeral.contains(&port) {
+                    return Err(format!("source port {port}: want one drawn from {TCP_SNAT_PORT_LOW} up outside {ephemeral:?}"));
+                }
+                Ok(tcp_syn((NODE_IP6, port), (BACKEND, 8080)))
+            }),
+            &[Counter::NodeSnat],
+        )
+        .at_egress(0),
     ]
 }
 

@@ -1,13 +1,15 @@
 //! A load generator and its server, for request/response rates and UDP
 //! packet rates through a proxy. The server answers every TCP request and
-//! every UDP datagram with a short reply, and counts (without answering)
-//! datagrams marked as stream traffic. The clients run on threads inside the
+//! every UDP datagram with a short reply (and closes a TCP connection after
+//! answering a request that asks it to, as an HTTP server does for
+//! `Connection: close`), and counts (without answering) datagrams marked as
+//! stream traffic. The clients run on threads inside the
 //! client namespace; each measures only the operations it completes inside
 //! the window after a warm-up.
 
 use std::{
     io::{Read, Write},
-    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -22,6 +24,9 @@ use nix::sys::socket::{setsockopt, sockopt};
 use crate::netns::Netns;
 
 const REQUEST: &[u8] = b"q";
+/// A request after which the server closes the connection (it closes
+/// first: the TIME_WAIT is the server's).
+const CLOSE_REQUEST: &[u8] = b"c";
 const REPLY: &[u8] = b"ok\n";
 /// First byte of a datagram the server only counts.
 const STREAM_MARK: u8 = b's';
@@ -30,8 +35,14 @@ const IO_TIMEOUT: Duration = Duration::from_millis(500);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Mode {
-    /// TCP connect, one request and reply, close (netperf's TCP_CRR).
+    /// TCP connect, one request and reply, close (netperf's TCP_CRR): the
+    /// client resets the connection, so no side keeps a TIME_WAIT.
     TcpConnect,
+    /// The same, but the server closes after its reply (HTTP's
+    /// `Connection: close`) and the client then closes too: the server
+    /// keeps each connection's tuple in TIME_WAIT, and a proxy that hands a
+    /// new connection such a tuple stalls its connect.
+    TcpConnectServerClose,
     /// Requests and replies on kept TCP connections (TCP_RR).
     TcpKept,
     /// UDP request and reply (UDP_RR).
@@ -41,11 +52,13 @@ pub enum Mode {
 }
 
 impl Mode {
-    pub const ALL: [Mode; 4] = [Mode::TcpConnect, Mode::TcpKept, Mode::UdpRr, Mode::UdpStream];
+    pub const ALL: [Mode; 5] =
+        [Mode::TcpConnect, Mode::TcpConnectServerClose, Mode::TcpKept, Mode::UdpRr, Mode::UdpStream];
 
     pub fn label(self) -> &'static str {
         match self {
             Mode::TcpConnect => "TCP connect+request/s",
+            Mode::TcpConnectServerClose => "TCP connect+request/s, server closes",
             Mode::TcpKept => "TCP kept-connection requests/s",
             Mode::UdpRr => "UDP request/reply/s",
             Mode::UdpStream => "UDP packets/s received",
@@ -55,6 +68,7 @@ impl Mode {
     pub fn short(self) -> &'static str {
         match self {
             Mode::TcpConnect => "tcp-crr",
+            Mode::TcpConnectServerClose => "tcp-crr-server-close",
             Mode::TcpKept => "tcp-rr",
             Mode::UdpRr => "udp-rr",
             Mode::UdpStream => "udp-stream",
@@ -62,7 +76,7 @@ impl Mode {
     }
 
     pub fn is_tcp(self) -> bool {
-        matches!(self, Mode::TcpConnect | Mode::TcpKept)
+        matches!(self, Mode::TcpConnect | Mode::TcpConnectServerClose | Mode::TcpKept)
     }
 }
 
@@ -140,9 +154,10 @@ fn serve_tcp(listener: TcpListener, stop: &AtomicBool) {
         let Ok((mut conn, _)) = listener.accept() else { continue };
         let _ = conn.set_nodelay(true);
         let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
-        // Answer every request until the client closes.
+        // Answer every request until the client closes, or close first
+        // after answering one that asks it to.
         while let Ok(n) = conn.read(&mut buf) {
-            if n == 0 || stop.load(Ordering::Relaxed) || conn.write_all(REPLY).is_err() {
+            if n == 0 || stop.load(Ordering::Relaxed) || conn.write_all(REPLY).is_err() || buf[..n].ends_with(CLOSE_REQUEST) {
                 break;
             }
         }
@@ -245,6 +260,12 @@ fn worker(mode: Mode, targets: &[SocketAddr], id: usize, from: Instant, to: Inst
                 tally(ok, &mut o);
             }
         }
+        Mode::TcpConnectServerClose => {
+            while Instant::now() < to {
+                let ok = server_closed_once(None, pick(), IO_TIMEOUT).is_ok();
+                tally(ok, &mut o);
+            }
+        }
         Mode::TcpKept => {
             let target = targets[id % targets.len()];
             let mut conn = tcp_connect(target)?;
@@ -293,7 +314,8 @@ fn tcp_connect(to: SocketAddr) -> Result<TcpStream> {
     Ok(s)
 }
 
-fn request(conn: &mut TcpStream) -> Result<()> {
+/// One request and its reply on a kept connection.
+pub fn request(conn: &mut TcpStream) -> Result<()> {
     conn.write_all(REQUEST)?;
     let mut buf = [0u8; REPLY.len()];
     conn.read_exact(&mut buf)?;
@@ -308,4 +330,50 @@ fn tcp_once(to: SocketAddr) -> Result<()> {
     request(&mut conn)?;
     setsockopt(&conn, sockopt::Linger, &nix::libc::linger { l_onoff: 1, l_linger: 0 })?;
     Ok(())
+}
+
+/// How the connect of a server-closed transaction went.
+#[derive(Clone, Copy, Debug)]
+pub struct Connected {
+    pub connect: Duration,
+    /// The client's TCP retransmissions by the time connect returned: a SYN
+    /// sent again (a SYN answered with a bare ACK by a TIME_WAIT, or lost).
+    pub retransmits: u32,
+}
+
+/// One connection (from `from`, with a port the kernel picks at connect,
+/// if given), one request after which the server closes first, then the
+/// client's close: the server keeps the connection's tuple in TIME_WAIT.
+pub fn server_closed_once(from: Option<IpAddr>, to: SocketAddr, connect_timeout: Duration) -> Result<Connected> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))?;
+    if let Some(ip) = from {
+        // The port comes at connect, as for an unbound socket.
+        setsockopt(&socket, sockopt::IpBindAddressNoPort, &true)?;
+        socket.bind(&SocketAddr::new(ip, 0).into())?;
+    }
+    let start = Instant::now();
+    socket.connect_timeout(&to.into(), connect_timeout).with_context(|| format!("connect {to}"))?;
+    let connected = Connected { connect: start.elapsed(), retransmits: tcp_info(&socket)?.tcpi_total_retrans };
+    let mut conn: TcpStream = socket.into();
+    conn.set_nodelay(true)?;
+    conn.set_read_timeout(Some(IO_TIMEOUT))?;
+    conn.write_all(CLOSE_REQUEST)?;
+    let mut reply = Vec::new();
+    // To the server's FIN.
+    conn.read_to_end(&mut reply)?;
+    anyhow::ensure!(reply == REPLY, "unexpected reply {reply:?}");
+    Ok(connected)
+}
+
+fn tcp_info(socket: &socket2::Socket) -> Result<nix::libc::tcp_info> {
+    use std::os::fd::AsRawFd;
+    let mut info: nix::libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of_val(&info) as nix::libc::socklen_t;
+    let fd = socket.as_raw_fd();
+    let rc = unsafe {
+        nix::libc::getsockopt(fd, nix::libc::IPPROTO_TCP, nix::libc::TCP_INFO, (&raw mut info).cast(), &mut len)
+    };
+    anyhow::ensure!(rc == 0, "TCP_INFO: {}", std::io::Error::last_os_error());
+    Ok(info)
 }
