@@ -77,10 +77,11 @@ pub fn fetch(archive: &Archive, series: &str, cache: &Path) -> Result<Kernel> {
     let release = image.name.strip_prefix("linux-image-").unwrap().to_string();
 
     // Since 7.x the image package is a shell: the kernel is in
-    // linux-binary-<release> and the modules in linux-modules-<release>.
+    // linux-binary-<release>, the modules in linux-modules-<release> and
+    // modules.builtin in linux-base-<release>.
     let mut debs = vec![image.clone()];
     for dep in depends(&image.depends) {
-        if dep == format!("linux-binary-{release}") || dep == format!("linux-modules-{release}") {
+        if ["binary", "modules", "base"].iter().any(|part| dep == format!("linux-{part}-{release}")) {
             let p = index.get(dep).and_then(|v| v.iter().find(|p| p.version == image.version));
             debs.push(p.with_context(|| format!("{} needs {dep} {}, not in {suite}", image.name, image.version))?.clone());
         }

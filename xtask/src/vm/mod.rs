@@ -116,6 +116,7 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
             accel: None,
             run: None,
             summary: Default::default(),
+            verifier: Vec::new(),
             out: out.clone(),
             error: None,
         };
@@ -208,7 +209,7 @@ fn run_kernel(
         run.elapsed.as_secs_f64()
     );
     result.summary = report::summarize(out);
-    report::keep_verifier_output(out);
+    result.verifier = report::keep_verifier_output(out);
     result.run = Some(run);
     Ok(())
 }

@@ -16,6 +16,8 @@ pub struct KernelResult {
     pub accel: Option<Accel>,
     pub run: Option<Run>,
     pub summary: Summary,
+    /// One line per distinct verifier log (see [`keep_verifier_output`]).
+    pub verifier: Vec<String>,
     /// target/vm-test/<series>/
     pub out: PathBuf,
     /// Why there was no run (the kernel or the initrd could not be had).
@@ -78,6 +80,9 @@ impl KernelResult {
         if n > 0 {
             eprintln!("    {:16} {} ({n} files)", "agent logs", rel(&logs));
         }
+        for g in &self.verifier {
+            eprintln!("    verifier: {g}");
+        }
     }
 }
 
@@ -94,43 +99,52 @@ pub fn summarize(out: &Path) -> Summary {
 }
 
 /// Copies what the BPF verifier said (from the test output and the agents'
-/// logs) into `verifier.log`, so a load failure on an old kernel is found
-/// without reading the whole console. Returns whether there was any.
-pub fn keep_verifier_output(out: &Path) -> bool {
+/// logs) into `verifier.log`, each distinct log once, so a load failure on
+/// an old kernel is found without reading the whole console. Returns one
+/// short line per distinct log: what was rejected, and the verifier's last
+/// complaint.
+pub fn keep_verifier_output(out: &Path) -> Vec<String> {
     let mut sources = vec![out.join("tests.log")];
     if let Ok(dir) = fs::read_dir(out.join("agent-logs")) {
         let mut logs: Vec<PathBuf> = dir.filter_map(|e| Some(e.ok()?.path())).collect();
         logs.sort();
         sources.extend(logs);
     }
-    let mut kept = String::new();
+    let (mut kept, mut seen, mut gist) = (String::new(), Vec::new(), Vec::new());
     for src in sources {
         let Ok(text) = fs::read_to_string(&src) else { continue };
         let lines: Vec<&str> = text.lines().collect();
         let mut i = 0;
         while i < lines.len() {
-            if !lines[i].to_ascii_lowercase().contains("verifier") {
+            if !lines[i].contains("Verifier output") && !lines[i].contains("verifier log") {
                 i += 1;
                 continue;
             }
-            kept += &format!("==> {}:{}\n", src.display(), i + 1);
             // The verifier's log runs until the test harness speaks again.
             let end = (i + 1..lines.len())
                 .find(|&j| {
                     let l = lines[j];
-                    l.starts_with("test ") || l.starts_with("---- ") || l == "failures:" || l.starts_with("vm-test: ")
+                    l.starts_with("test ") || l.starts_with("---- ") || l.starts_with("Stack backtrace:") || l == "failures:"
                 })
-                .unwrap_or(lines.len())
-                .min(i + 1000);
-            for l in &lines[i..end] {
-                kept += l;
-                kept.push('\n');
+                .unwrap_or(lines.len());
+            let block = lines[i..end].join("\n");
+            if !seen.contains(&block) {
+                kept += &format!("==> {}:{}\n{block}\n\n", src.display(), i + 1);
+                // The complaint is the line before the verifier's statistics.
+                let last = lines[i..end]
+                    .iter()
+                    .position(|l| l.starts_with("verification time") || l.starts_with("processed "))
+                    .and_then(|k| k.checked_sub(1))
+                    .map_or("", |k| lines[i + k]);
+                let head: String = lines[i].split(". Verifier output").next().unwrap_or("").chars().take(160).collect();
+                gist.push(format!("{} -> {}", head.trim(), last.trim()));
+                seen.push(block);
             }
             i = end;
         }
     }
-    if kept.is_empty() {
-        return false;
+    if !kept.is_empty() {
+        let _ = fs::write(out.join("verifier.log"), kept);
     }
-    fs::write(out.join("verifier.log"), kept).is_ok()
+    gist
 }
