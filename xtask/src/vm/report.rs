@@ -99,7 +99,7 @@ pub fn summarize(out: &Path) -> Summary {
 }
 
 /// Copies what the BPF verifier said (from the test output and the agents'
-/// logs) into `verifier.log`, each distinct log once, so a load failure on
+/// logs) into `verifier.log`, each distinct rejection once, so a load failure on
 /// an old kernel is found without reading the whole console. Returns one
 /// short line per distinct log: what was rejected, and the verifier's last
 /// complaint.
@@ -110,7 +110,7 @@ pub fn keep_verifier_output(out: &Path) -> Vec<String> {
         logs.sort();
         sources.extend(logs);
     }
-    let (mut kept, mut seen, mut gist) = (String::new(), Vec::new(), Vec::new());
+    let (mut kept, mut gist) = (String::new(), Vec::new());
     for src in sources {
         let Ok(text) = fs::read_to_string(&src) else { continue };
         let lines: Vec<&str> = text.lines().collect();
@@ -127,18 +127,20 @@ pub fn keep_verifier_output(out: &Path) -> Vec<String> {
                     l.starts_with("test ") || l.starts_with("---- ") || l.starts_with("Stack backtrace:") || l == "failures:"
                 })
                 .unwrap_or(lines.len());
-            let block = lines[i..end].join("\n");
-            if !seen.contains(&block) {
-                kept += &format!("==> {}:{}\n{block}\n\n", src.display(), i + 1);
-                // The complaint is the line before the verifier's statistics.
-                let last = lines[i..end]
-                    .iter()
-                    .position(|l| l.starts_with("verification time") || l.starts_with("processed "))
-                    .and_then(|k| k.checked_sub(1))
-                    .map_or("", |k| lines[i + k]);
-                let head: String = lines[i].split(". Verifier output").next().unwrap_or("").chars().take(160).collect();
-                gist.push(format!("{} -> {}", head.trim(), last.trim()));
-                seen.push(block);
+            // The complaint is the line before the verifier's statistics.
+            let block = &lines[i..end];
+            let last = block
+                .iter()
+                .position(|l| l.trim_start().starts_with("verification time") || l.trim_start().starts_with("processed "))
+                .and_then(|k| k.checked_sub(1))
+                .map_or("", |k| block[k].trim());
+            let head = lines[i].split(". Verifier output").next().unwrap_or("").trim();
+            let head = head.trim_start_matches("ebpf-proxy: error: ");
+            let line = format!("{} -> {last}", head.chars().take(160).collect::<String>());
+            // Every test that starts an agent hits the same rejection: keep it once.
+            if !gist.contains(&line) {
+                kept += &format!("==> {}:{}\n{}\n\n", src.display(), i + 1, block.join("\n"));
+                gist.push(line);
             }
             i = end;
         }
