@@ -27,10 +27,10 @@ use crate::image::sha256_hex;
 pub const SERIES: [(&str, &str); 4] = [("5.10", "bullseye"), ("6.1", "bookworm"), ("6.12", "trixie"), ("7.2", "sid")];
 
 /// Loaded at boot: 9p for the shared workspace, and what the tests use
-/// (veth, SCTP sockets, clsact and tc BPF filters for kernels without TCX).
-/// Built-in ones are skipped.
+/// (veth, the conformance cluster's bridge, SCTP sockets, clsact and tc BPF
+/// filters for kernels without TCX). Built-in ones are skipped.
 pub const MODULES: &[&str] =
-    &["virtio_pci", "9pnet_virtio", "9p", "veth", "sctp", "sch_ingress", "cls_bpf", "act_bpf", "overlay"];
+    &["virtio_pci", "9pnet_virtio", "9p", "veth", "bridge", "sctp", "sch_ingress", "cls_bpf", "act_bpf", "overlay"];
 
 /// Loaded first where the kernel has them as modules: until 6.14, SCTP's
 /// libcrc32c finds its CRC32c through the crypto API (a soft dependency

@@ -13,6 +13,9 @@ use cargo_metadata::Message;
 
 use crate::cargo::cargo;
 
+/// Environment variables passed into the VM (a trailing `_`: a prefix).
+const FORWARDED: &[&str] = &["RUST_LOG", "RUST_BACKTRACE", "CONFORMANCE_"];
+
 /// One test executable and where cargo would run it from.
 pub struct TestBinary {
     /// The target's name: the file name under tests/ for integration
@@ -64,7 +67,14 @@ pub fn build(only: &[String]) -> Result<Vec<TestBinary>> {
 /// any failed.
 pub fn script(tests: &[TestBinary], agent: &Path, args: &[String]) -> String {
     let mut s = String::from("# Written by `cargo xtask vm-test`; run by init.sh inside the VM.\n");
-    s += &format!("export EBPF_PROXY_BIN={} RUST_BACKTRACE=1\nrc=0\n", quote(&agent.to_string_lossy()));
+    s += &format!("export EBPF_PROXY_BIN={} RUST_BACKTRACE=1\n", quote(&agent.to_string_lossy()));
+    // The knobs the tests read from the environment go along.
+    for (k, v) in std::env::vars() {
+        if FORWARDED.iter().any(|f| k == *f || (f.ends_with('_') && k.starts_with(f))) {
+            s += &format!("export {k}={}\n", quote(&v));
+        }
+    }
+    s += "rc=0\n";
     let args: Vec<String> = args.iter().map(|a| quote(a)).collect();
     for t in tests {
         s += &format!(
