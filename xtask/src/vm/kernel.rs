@@ -27,10 +27,16 @@ use crate::image::sha256_hex;
 pub const SERIES: [(&str, &str); 4] = [("5.10", "bullseye"), ("6.1", "bookworm"), ("6.12", "trixie"), ("7.2", "sid")];
 
 /// Loaded at boot: 9p for the shared workspace, and what the tests use
-/// (veth, the conformance cluster's bridge, SCTP sockets, clsact and tc BPF
-/// filters for kernels without TCX). Built-in ones are skipped.
+/// (veth, the conformance cluster's bridge, clsact and tc BPF filters for
+/// kernels without TCX). Built-in ones are skipped.
 pub const MODULES: &[&str] =
-    &["virtio_pci", "9pnet_virtio", "9p", "veth", "bridge", "sctp", "sch_ingress", "cls_bpf", "act_bpf", "overlay"];
+    &["virtio_pci", "9pnet_virtio", "9p", "veth", "bridge", "sch_ingress", "cls_bpf", "act_bpf", "overlay"];
+
+/// In the initrd, loaded once at boot to show they load, then unloaded: the
+/// tests that craft SCTP packets expect no kernel SCTP stack (which would
+/// answer their INIT with an ABORT), as on a host without the module; a
+/// test that opens a real SCTP socket gets it loaded again on demand.
+pub const PROBED_MODULES: &[&str] = &["sctp"];
 
 /// Loaded first where the kernel has them as modules: until 6.14, SCTP's
 /// libcrc32c finds its CRC32c through the crypto API (a soft dependency
@@ -88,7 +94,7 @@ pub fn fetch(archive: &Archive, series: &str, cache: &Path) -> Result<Kernel> {
     }
 
     let dir = cache.join("kernel").join(format!("{release}_{}", image.version));
-    let key = sha256_hex(format!("{OPTIONAL_MODULES:?} {MODULES:?} {}", initrd::FORMAT).as_bytes());
+    let key = sha256_hex(format!("{OPTIONAL_MODULES:?} {MODULES:?} {PROBED_MODULES:?} {}", initrd::FORMAT).as_bytes());
     let kernel = Kernel {
         release: release.clone(),
         package: image.name.clone(),
@@ -132,7 +138,7 @@ pub fn fetch(archive: &Archive, series: &str, cache: &Path) -> Result<Kernel> {
             fs::copy(e.path(), target.join(&name))?;
         }
     }
-    let (files, load) = needed_modules(&moddir)?;
+    let (files, load, probe) = needed_modules(&moddir)?;
     for rel in files {
         let to = target.join(&rel);
         fs::create_dir_all(to.parent().unwrap())?;
@@ -140,6 +146,7 @@ pub fn fetch(archive: &Archive, series: &str, cache: &Path) -> Result<Kernel> {
     }
     fs::create_dir_all(stage.path().join("etc/vm-test"))?;
     fs::write(stage.path().join("etc/vm-test/modules"), load.join("\n") + "\n")?;
+    fs::write(stage.path().join("etc/vm-test/probe-modules"), probe.join("\n") + "\n")?;
 
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(&dir)?;
@@ -170,10 +177,11 @@ fn depmod(root: &Path, moddir: &Path, release: &str) -> Result<()> {
 }
 
 /// The module files (relative to the modules directory) that
-/// [`OPTIONAL_MODULES`] and [`MODULES`] and their dependencies take, from
-/// `modules.dep`, and the names to load in order. Built-in modules need no
-/// file; a missing optional one is left out, a missing other is an error.
-fn needed_modules(moddir: &Path) -> Result<(BTreeSet<String>, Vec<String>)> {
+/// [`OPTIONAL_MODULES`], [`MODULES`], [`PROBED_MODULES`] and their
+/// dependencies take, from `modules.dep`; the names to load in order, and
+/// those to probe. Built-in modules need no file; a missing optional one
+/// is left out, a missing other is an error.
+fn needed_modules(moddir: &Path) -> Result<(BTreeSet<String>, Vec<String>, Vec<String>)> {
     let dep = fs::read_to_string(moddir.join("modules.dep"))?;
     let builtin = fs::read_to_string(moddir.join("modules.builtin")).unwrap_or_default();
     let name_of = |path: &str| -> String {
@@ -188,15 +196,19 @@ fn needed_modules(moddir: &Path) -> Result<(BTreeSet<String>, Vec<String>)> {
     let is_builtin = |name: &str| builtin.lines().any(|l| name_of(l) == name);
 
     let mut files = BTreeSet::new();
-    let mut load = Vec::new();
+    let (mut load, mut probe) = (Vec::new(), Vec::new());
     let mut todo: Vec<String> = Vec::new();
-    let wanted = OPTIONAL_MODULES.iter().map(|m| (m, true)).chain(MODULES.iter().map(|m| (m, false)));
-    for (w, optional) in wanted {
+    let wanted = OPTIONAL_MODULES
+        .iter()
+        .map(|m| (m, true, false))
+        .chain(MODULES.iter().map(|m| (m, false, false)))
+        .chain(PROBED_MODULES.iter().map(|m| (m, false, true)));
+    for (w, optional, probed) in wanted {
         let w = w.replace('-', "_");
         match entries.iter().find(|(n, ..)| *n == w) {
             Some((_, path, _)) => {
                 todo.push(path.clone());
-                load.push(w);
+                if probed { &mut probe } else { &mut load }.push(w);
             }
             None if is_builtin(&w) || optional => {}
             None => bail!("module {w} is neither in modules.dep nor built in"),
@@ -209,5 +221,5 @@ fn needed_modules(moddir: &Path) -> Result<(BTreeSet<String>, Vec<String>)> {
             }
         }
     }
-    Ok((files, load))
+    Ok((files, load, probe))
 }

@@ -18,8 +18,10 @@ pub const SUITE: &str = "bookworm";
 
 /// `essential` (dpkg's Essential: yes set: sh, bash, coreutils, util-linux's
 /// setpriv, ...) plus these: `ip`/`tc`, `ethtool`, `modprobe`, `sysctl`,
-/// `mount`, and the shared libraries the test binaries link.
-pub const PACKAGES: &[&str] = &["iproute2", "ethtool", "kmod", "procps", "mount", "libgcc-s1"];
+/// `mount`, the shared libraries the test binaries link, and the CA store
+/// without which the agent's Kubernetes client (rustls with the platform
+/// verifier) refuses to start.
+pub const PACKAGES: &[&str] = &["iproute2", "ethtool", "kmod", "procps", "mount", "libgcc-s1", "ca-certificates"];
 
 /// Nobody reads documentation in the VM; leaving it out halves the archive.
 const DPKG_OPTS: &[&str] = &[
