@@ -7,6 +7,7 @@ mod cargo;
 mod demo;
 mod image;
 mod test;
+mod vm;
 
 use std::process::ExitCode;
 
@@ -31,6 +32,8 @@ enum Command {
     Image(image::Options),
     /// Benchmarks against kube-proxy's rule sets; writes docs/benchmarks.md (needs root).
     Bench(bench::Options),
+    /// The integration suites inside QEMU on Debian's kernels (needs root).
+    VmTest(vm::Options),
 }
 
 fn main() -> ExitCode {
@@ -40,6 +43,7 @@ fn main() -> ExitCode {
         Command::Demo => demo::run(),
         Command::Image(opts) => image::run(&opts),
         Command::Bench(opts) => bench::run(&opts),
+        Command::VmTest(opts) => vm::run(&opts),
     };
     match result {
         Ok(code) => code,

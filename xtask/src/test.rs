@@ -85,15 +85,15 @@ fn tee_lines(mut input: impl std::io::Read, mut f: impl FnMut(&str)) -> Result<(
 
 /// Totals over libtest's "test result: ok. 3 passed; 0 failed; 1 ignored; ..." lines.
 #[derive(Default)]
-struct Summary {
-    passed: u64,
-    failed: u64,
-    ignored: u64,
-    binaries: u64,
+pub struct Summary {
+    pub passed: u64,
+    pub failed: u64,
+    pub ignored: u64,
+    pub binaries: u64,
 }
 
 impl Summary {
-    fn add(&mut self, line: &str) {
+    pub fn add(&mut self, line: &str) {
         let Some(rest) = line.trim().strip_prefix("test result: ") else {
             return;
         };
