@@ -159,7 +159,7 @@ fn run_kernel(
     let out = &result.out;
     let _ = fs::remove_dir_all(out);
     fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    fs::write(out.join("run.sh"), script)?;
+    fs::write(out.join("run.sh"), suite::vm_env(accel) + script)?;
     let initrd = out.join("initrd.cpio");
     initrd::assemble(rootfs, &kernel.modules_cpio, &initrd)?;
 

@@ -16,6 +16,15 @@ use crate::cargo::cargo;
 /// Environment variables passed into the VM (a trailing `_`: a prefix).
 const FORWARDED: &[&str] = &["RUST_LOG", "RUST_BACKTRACE", "CONFORMANCE_"];
 
+/// What the tests need to know of the VM they run in: SCTP sockets must work
+/// there (Debian's kernels have the module, so the kernel-socket test may not
+/// skip), and under TCG their deadlines stretch (the same work runs several
+/// times slower; see proxy_tests::patience).
+pub fn vm_env(accel: super::boot::Accel) -> String {
+    let patience = if accel == super::boot::Accel::Tcg { 5 } else { 1 };
+    format!("export EBPF_PROXY_REQUIRE_SCTP=1 EBPF_PROXY_TEST_PATIENCE={patience}\n")
+}
+
 /// One test executable and where cargo would run it from.
 pub struct TestBinary {
     /// The target's name: the file name under tests/ for integration
