@@ -1,10 +1,10 @@
 #!/bin/sh
 # PID 1 of a `cargo xtask vm-test` VM (xtask/src/vm/). Sets up what the tests
-# expect of a host, loads the kernel modules listed in /etc/vm-test/modules
-# (and checks that those in /etc/vm-test/probe-modules load), mounts the host
-# directories shared over 9p at their host paths, runs $vmtest_out/run.sh
-# (written by xtask) with its output also in $vmtest_out/tests.log, keeps
-# the agents' logs, and powers off.
+# expect of a host, loads the kernel modules listed in /etc/vm-test/modules,
+# mounts the host directories shared over 9p at their host paths, runs
+# $vmtest_out/run.sh (written by xtask) with its output also in
+# $vmtest_out/tests.log, checks that the modules in
+# /etc/vm-test/probe-modules load, keeps the agents' logs, and powers off.
 #
 # From the kernel command line (unknown name=value words become init's
 # environment): vmtest_ro (comma-separated paths, shared as tags ro0, ro1, ...,
@@ -47,14 +47,6 @@ for m in $(cat /etc/vm-test/modules); do
     modprobe "$m" || echo "vm-test: modprobe $m failed"
 done
 echo "vm-test: modules loaded: $(cut -d' ' -f1 /proc/modules | sort | tr '\n' ' ')"
-# Loadable, but left unloaded for the tests (see PROBED_MODULES in kernel.rs).
-for m in $(cat /etc/vm-test/probe-modules); do
-    if modprobe "$m" && grep -q "^$m " /proc/modules && modprobe -r "$m"; then
-        echo "vm-test: module $m loads (unloaded again until a test needs it)"
-    else
-        echo "vm-test: module $m does not load"
-    fi
-done
 
 i=0
 for p in $(echo "$vmtest_ro" | tr ',' ' '); do
@@ -72,6 +64,14 @@ rc=$(cat /tmp/vm-test.rc)
 mkdir -p "$vmtest_out/agent-logs"
 for f in /tmp/*.agent.log; do
     [ -e "$f" ] && cp "$f" "$vmtest_out/agent-logs/"
+done
+# Loadable, but left out while the tests ran (see PROBED_MODULES in kernel.rs).
+for m in $(cat /etc/vm-test/probe-modules); do
+    if modprobe "$m" && grep -q "^$m " /proc/modules; then
+        echo "vm-test: module $m loads"
+    else
+        echo "vm-test: module $m does not load"
+    fi
 done
 dmesg >"$vmtest_out/dmesg.log"
 finish "$rc"

@@ -32,10 +32,11 @@ pub const SERIES: [(&str, &str); 4] = [("5.10", "bullseye"), ("6.1", "bookworm")
 pub const MODULES: &[&str] =
     &["virtio_pci", "9pnet_virtio", "9p", "veth", "bridge", "sch_ingress", "cls_bpf", "act_bpf", "overlay"];
 
-/// In the initrd, loaded once at boot to show they load, then unloaded: the
+/// In the initrd, but loaded only after the tests, to show they load: the
 /// tests that craft SCTP packets expect no kernel SCTP stack (which would
-/// answer their INIT with an ABORT), as on a host without the module; a
-/// test that opens a real SCTP socket gets it loaded again on demand.
+/// answer their INIT with an ABORT), as on a host without the module, and
+/// sctp cannot be unloaded once loaded. A test that opens a real SCTP
+/// socket has the kernel load it on demand (modprobe and the file are there).
 pub const PROBED_MODULES: &[&str] = &["sctp"];
 
 /// Loaded first where the kernel has them as modules: until 6.14, SCTP's

@@ -45,7 +45,11 @@ impl KernelResult {
         let why = match (&self.error, self.run.as_ref().map(|r| &r.outcome)) {
             (Some(e), _) => Some(format!("not run: {e}")),
             (None, Some(Outcome::NoBoot { after })) => Some(format!("VM did not boot within {}s", after.as_secs())),
-            (None, Some(Outcome::Timeout { after })) => Some(format!("VM did not finish within {}s (timeout)", after.as_secs())),
+            (None, Some(Outcome::Timeout { after })) => Some(format!(
+                "VM did not finish within {}s (timeout{})",
+                after.as_secs(),
+                self.last_running().map_or(String::new(), |t| format!(" in {t}"))
+            )),
             (None, Some(Outcome::Exited { status })) => Some(format!("VM stopped before the tests were done ({status})")),
             (None, Some(Outcome::Finished { rc })) if rc != "0" && s.failed == 0 => Some(format!("run ended with {rc}")),
             _ => None,
@@ -54,6 +58,13 @@ impl KernelResult {
             line += &format!(" ({why})");
         }
         line
+    }
+
+    /// The test binary the console last said was running.
+    fn last_running(&self) -> Option<String> {
+        let console = fs::read_to_string(self.out.join("console.log")).ok()?;
+        let line = console.lines().rev().find_map(|l| l.trim_start().strip_prefix("Running "))?;
+        Some(line.split_whitespace().next()?.to_string())
     }
 
     /// On failure: where the console, the test output, the agents' logs

@@ -76,7 +76,7 @@ pub fn build(only: &[String]) -> Result<Vec<TestBinary>> {
 /// any failed.
 pub fn script(tests: &[TestBinary], agent: &Path, args: &[String]) -> String {
     let mut s = String::from("# Written by `cargo xtask vm-test`; run by init.sh inside the VM.\n");
-    s += &format!("export EBPF_PROXY_BIN={} RUST_BACKTRACE=1\n", quote(&agent.to_string_lossy()));
+    s += &format!("export EBPF_PROXY_BIN={}\n", quote(&agent.to_string_lossy()));
     // The knobs the tests read from the environment go along.
     for (k, v) in std::env::vars() {
         if FORWARDED.iter().any(|f| k == *f || (f.ends_with('_') && k.starts_with(f))) {
