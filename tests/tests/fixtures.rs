@@ -352,8 +352,18 @@ fn closed_port_reuse_cases() -> Vec<Case> {
 /// The SNAT reply entry of `client`'s masqueraded flow to the TCP backend
 /// through 10.96.0.10:80, on `port`, closed `idle_s` ago.
 fn hold_closed_flow(m: &mut Maps, client: Endpoint, port: u16, idle_s: u64) -> anyhow::Result<()> {
-    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
-    let now_ns = now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64;
+    let monotonic_ns = || -> anyhow::Result<u64> {
+        let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
+        Ok(now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64)
+    };
+    // No entry is older than the clock (CLOCK_MONOTONIC starts at boot): in a
+    // VM booted moments ago (./x vm-test) wait until it has run that long.
+    let old_enough = (idle_s + 1) * 1_000_000_000;
+    let mut now_ns = monotonic_ns()?;
+    if now_ns < old_enough {
+        std::thread::sleep(std::time::Duration::from_nanos(old_enough - now_ns));
+        now_ns = monotonic_ns()?;
+    }
     let closed = CtEntry {
         direction: CT_REPLY,
         flags: CT_MASQUERADE | CT_CLOSING,
