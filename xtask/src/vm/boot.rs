@@ -240,7 +240,8 @@ pub fn probe(kernel: &Path, release: &str, cache: &Path) -> Result<Accel> {
         memory_mib: 512,
     };
     fs::create_dir_all(file.parent().unwrap())?;
-    let log = file.with_extension("probe.log");
+    // Not with_extension: a release has dots of its own.
+    let log = file.with_file_name(format!("{release}.probe.log"));
     let run = run(&vm, release, &log, Duration::from_secs(30), Duration::from_secs(30), true)?;
     let console = fs::read_to_string(&log).unwrap_or_default();
     // Reaching the root-fs panic means the kernel booted all the way.
