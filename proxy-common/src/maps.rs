@@ -25,6 +25,14 @@ pub const MAP_BACKENDS_EPOCH: &str = "BACKENDS_EPOCH";
 /// the node's ephemeral range: from then on a node socket may meet its
 /// tuple, and egress looks at node sockets' packets (see `Counter::NodeSnat`).
 pub const MAP_NODE_SNAT: &str = "NODE_SNAT";
+/// Two u64: slot HOST_NETNS_COOKIE holds the cookie of the agent's network
+/// namespace (the node's); the socket hooks translate only sockets there and
+/// leave pods' to TC. Slot HOST_NETNS_PROBE holds the socket cookie of the
+/// agent's probe socket on kernels without SO_NETNS_COOKIE (before 5.14):
+/// connect4 stores that socket's netns cookie in the first slot.
+pub const MAP_HOST_NETNS: &str = "HOST_NETNS";
+pub const HOST_NETNS_COOKIE: u32 = 0;
+pub const HOST_NETNS_PROBE: u32 = 1;
 
 /// Loader-set globals of the BPF object: the source ports masqueraded UDP
 /// and SCTP flows may take (host order, inclusive). The agent puts them

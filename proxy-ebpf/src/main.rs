@@ -292,6 +292,7 @@ mod program {
 
     #[cgroup_sock_addr(connect4)]
     pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
+        sock::learn_node_netns(&ctx);
         sock::translate(&ctx, sock::Family::V4)
     }
 

@@ -28,6 +28,10 @@ pub static BACKENDS_EPOCH: Array<u32> = Array::pinned(1, 0);
 #[map]
 pub static NODE_SNAT: Array<u32> = Array::pinned(1, 0);
 
+/// See MAP_HOST_NETNS. Pinned: the hooks outlive the agent.
+#[map]
+pub static HOST_NETNS: Array<u64> = Array::pinned(2, 0);
+
 #[map]
 pub static CONNTRACK: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(MAX_CONNTRACK, 0);
 

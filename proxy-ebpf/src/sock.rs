@@ -8,18 +8,26 @@
 //! address, which is what kube-proxy's masquerade would have made of it.
 //! The IPv6 hooks (connect6, ...) read and write `user_ip6`; an IPv4-mapped
 //! address dialled on an IPv6 socket is the IPv4 frontend, as in the maps.
+//!
+//! Only sockets in the node's own network namespace are translated here
+//! (Cilium's socketLB.hostNamespaceOnly). On a real node `--cgroup-root`
+//! sits above every pod's cgroup too, but a pod's connection must get what
+//! TC gives it at the pod's veth: masquerade towards NodePorts and LB IPs,
+//! source ranges checked against the pod's address, affinity per pod, and
+//! its own `127.0.0.1` left alone. So a socket in any other namespace is
+//! left to TC (see docs/semantics.md, "Which hook translates a flow").
 
 use aya_ebpf::{
     EbpfContext, Global,
     bindings::BPF_ANY,
-    helpers::{bpf_get_socket_cookie, bpf_set_retval},
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
     programs::SockAddrContext,
 };
-use proxy_common::{Addr, FrontendKey, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SockRevKey};
+use proxy_common::{Addr, FrontendKey, HOST_NETNS_COOKIE, HOST_NETNS_PROBE, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SockRevKey};
 
 use crate::{
     lb::{self, Miss},
-    maps::SOCK_REVNAT,
+    maps::{HOST_NETNS, SOCK_REVNAT},
 };
 
 /// The hook's verdicts: 1 lets the call proceed, 0 fails it (with the errno
@@ -89,9 +97,35 @@ fn set_user_addr(s: &mut aya_ebpf::bindings::bpf_sock_addr, family: Family, addr
     }
 }
 
+/// Whether the socket lives in the node's network namespace, the one the
+/// agent runs in. Until the agent has stored that namespace's cookie no
+/// socket is (the agent stores it before it attaches the hooks).
+#[inline(always)]
+fn in_node_netns(ctx: &SockAddrContext) -> bool {
+    let Some(&node) = HOST_NETNS.get(HOST_NETNS_COOKIE) else { return false };
+    node != 0 && unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == node
+}
+
+/// On kernels without SO_NETNS_COOKIE the agent learns its namespace's
+/// cookie by connecting a probe socket whose cookie it stored first: only
+/// that socket can set it.
+#[inline(always)]
+pub fn learn_node_netns(ctx: &SockAddrContext) {
+    let Some(&probe) = HOST_NETNS.get(HOST_NETNS_PROBE) else { return };
+    if probe != 0 && cookie(ctx) == probe {
+        let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+        if let Some(slot) = HOST_NETNS.get_ptr_mut(HOST_NETNS_COOKIE) {
+            unsafe { *slot = netns };
+        }
+    }
+}
+
 /// connect / sendmsg: a frontend's address becomes a backend's.
 #[inline(always)]
 pub fn translate(ctx: &SockAddrContext, family: Family) -> i32 {
+    if !in_node_netns(ctx) {
+        return PROCEED;
+    }
     let s = sock(ctx);
     let proto = protocol(s);
     let addr = user_addr(s, family);

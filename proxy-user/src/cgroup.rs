@@ -3,17 +3,24 @@
 //! (default: the cgroup v2 root) as links pinned next to the TC ones, so
 //! they outlive the agent and a restart swaps its programs in atomically.
 
-use std::path::{Path, PathBuf};
+use std::{
+    fs::File,
+    net::{Ipv4Addr, UdpSocket},
+    os::fd::AsRawFd,
+    path::{Path, PathBuf},
+};
 
 use anyhow::{Context, Result};
 use aya::{
     Ebpf,
+    maps::{Array, MapData},
     programs::{
         CgroupAttachMode, CgroupSockAddr,
         cgroup_sock_addr::CgroupSockAddrLink,
         links::{FdLink, PinnedLink},
     },
 };
+use proxy_common::{HOST_NETNS_COOKIE, HOST_NETNS_PROBE, MAP_HOST_NETNS};
 use tracing::{info, warn};
 
 use crate::maps::links_dir;
@@ -63,9 +70,12 @@ fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut CgroupSockAddr>
     Ok(ebpf.program_mut(name).with_context(|| format!("{name} missing from the BPF object"))?.try_into()?)
 }
 
-/// Attaches the loaded socket hooks, adopting links a previous agent pinned.
+/// Attaches the loaded socket hooks, adopting links a previous agent pinned,
+/// once the hooks know which network namespace is the node's.
 pub fn attach(ebpf: &mut Ebpf, bpffs_root: &Path, cgroup_root: &Path) -> Result<()> {
     let cgroup = std::fs::File::open(cgroup_root).with_context(|| format!("--cgroup-root {}", cgroup_root.display()))?;
+    let how = store_node_netns(ebpf, &cgroup, cgroup_root)?;
+    info!(learned_by = how, "socket hooks translate sockets of this network namespace only (pods are left to TC)");
     let links = links_dir(bpffs_root);
     std::fs::create_dir_all(&links)?;
     for name in SOCK_PROGRAMS {
@@ -85,6 +95,69 @@ pub fn attach(ebpf: &mut Ebpf, bpffs_root: &Path, cgroup_root: &Path) -> Result<
         info!(program = name, cgroup = %cgroup_root.display(), adopted, "socket hook attached");
     }
     Ok(())
+}
+
+/// How the agent learns its network namespace's cookie: `SO_NETNS_COOKIE`
+/// (Linux 5.14+), else `probe` (a socket of its own through connect4).
+/// `EBPF_PROXY_NETNS_COOKIE=probe` forces the probe, so newer kernels test
+/// the older kernels' path too.
+const NETNS_COOKIE_ENV: &str = "EBPF_PROXY_NETNS_COOKIE";
+
+/// Stores the cookie of the agent's network namespace (the node's) in
+/// HOST_NETNS, where the hooks compare each socket's against it.
+fn store_node_netns(ebpf: &mut Ebpf, cgroup: &File, cgroup_root: &Path) -> Result<&'static str> {
+    let probe = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).context("a UDP socket to learn the node's netns cookie")?;
+    let forced = std::env::var(NETNS_COOKIE_ENV).is_ok_and(|v| v == "probe");
+    if !forced {
+        match getsockopt_u64(&probe, libc::SO_NETNS_COOKIE) {
+            Ok(netns) => {
+                host_netns(ebpf)?.set(HOST_NETNS_COOKIE, &netns, 0)?;
+                return Ok("SO_NETNS_COOKIE");
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => {}
+            Err(e) => return Err(e).context("getsockopt(SO_NETNS_COOKIE)"),
+        }
+    }
+    // Before 5.14: connect4, attached a moment longer on the same cgroup,
+    // sees this socket (known by its cookie, which no other socket shares)
+    // and stores its namespace's cookie.
+    let socket_cookie = getsockopt_u64(&probe, libc::SO_COOKIE).context("getsockopt(SO_COOKIE)")?;
+    let mut slots = host_netns(ebpf)?;
+    slots.set(HOST_NETNS_COOKIE, &0, 0)?;
+    slots.set(HOST_NETNS_PROBE, &socket_cookie, 0)?;
+    let connect4 = program(ebpf, SOCK_PROGRAMS[0])?;
+    let link = connect4.attach(cgroup, CgroupAttachMode::Single).context("attach connect4 to learn the node's netns")?;
+    let connected = probe.connect((Ipv4Addr::LOCALHOST, 9));
+    connect4.detach(link)?;
+    connected.context("connect the netns probe socket")?;
+    let mut slots = host_netns(ebpf)?;
+    slots.set(HOST_NETNS_PROBE, &0, 0)?;
+    let netns = slots.get(&HOST_NETNS_COOKIE, 0)?;
+    anyhow::ensure!(
+        netns != 0,
+        "could not learn this network namespace's cookie: this kernel has no SO_NETNS_COOKIE (Linux 5.14) and the \
+         agent's own socket did not pass the hooks on --cgroup-root {} (run the agent in a cgroup under it)",
+        cgroup_root.display()
+    );
+    Ok("probe")
+}
+
+fn host_netns(ebpf: &mut Ebpf) -> Result<Array<&mut MapData, u64>> {
+    let map = ebpf.map_mut(MAP_HOST_NETNS).with_context(|| format!("map {MAP_HOST_NETNS} missing from the BPF object"))?;
+    Ok(Array::try_from(map)?)
+}
+
+fn getsockopt_u64(socket: &UdpSocket, option: libc::c_int) -> std::io::Result<u64> {
+    let mut value = 0u64;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: value and len are valid for the call and sized for a u64.
+    let rc = unsafe {
+        libc::getsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, option, (&raw mut value).cast(), &mut len)
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(value)
 }
 
 /// As `resolve_root`, but a node without cgroup v2 still gets the TC

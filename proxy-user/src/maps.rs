@@ -34,10 +34,10 @@ pub const TC_TRACE: &str = "tc_trace";
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 /// Every map the agent pins, by name.
-pub const PINNED_MAPS: [&str; 16] = [
+pub const PINNED_MAPS: [&str; 17] = [
     MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS, MAP_SNAT,
     MAP_SNAT_ADDRS, MAP_CLUSTER_CIDRS, MAP_SERVICE_CIDRS, MAP_SOURCE_RANGES, MAP_AFFINITY, MAP_SOCK_REVNAT,
-    MAP_BACKENDS_EPOCH, MAP_IPV6_PROGRAMS, MAP_NODE_SNAT,
+    MAP_BACKENDS_EPOCH, MAP_IPV6_PROGRAMS, MAP_NODE_SNAT, MAP_HOST_NETNS,
 ];
 
 /// Each TC program's IPv6 counterparts and their slots in the IPv6 program

@@ -248,7 +248,7 @@ fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64
 type EntryCounter = fn(&Path, &str) -> Result<u64>;
 
 /// How to count the entries of each pinned map: by its key and value types.
-const ENTRY_COUNTERS: [(&str, EntryCounter); 16] = {
+const ENTRY_COUNTERS: [(&str, EntryCounter); 17] = {
     use proxy_common::*;
     [
         (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>),
@@ -267,6 +267,7 @@ const ENTRY_COUNTERS: [(&str, EntryCounter); 16] = {
         (MAP_COUNTERS, |_, _| Ok(u64::from(MAX_COUNTERS))),
         (MAP_BACKENDS_EPOCH, |_, _| Ok(1)),
         (MAP_NODE_SNAT, |_, _| Ok(1)),
+        (MAP_HOST_NETNS, |_, _| Ok(2)),
         // The loader fills every slot with an IPv6 program.
         (MAP_IPV6_PROGRAMS, |_, _| Ok(u64::from(IPV6_PROG_COUNT))),
     ]

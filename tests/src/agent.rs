@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::{Context, Result};
 
-use crate::netns::Netns;
+use crate::{cgroup::TestRoot, netns::Netns};
 
 /// The `ebpf-proxy` binary under test: `$EBPF_PROXY_BIN` (set by
 /// `cargo xtask test`), else the workspace's debug build.
@@ -22,6 +22,8 @@ pub fn agent_bin() -> PathBuf {
 
 pub struct Agent {
     child: Option<Child>,
+    /// The hooked cgroup root it runs under (see cgroup.rs).
+    _cgroup_root: Option<std::sync::Arc<TestRoot>>,
     pub node: String,
     pub bpffs_root: PathBuf,
     pub healthz: SocketAddr,
@@ -72,6 +74,9 @@ impl Agent {
         let log = PathBuf::from(format!("{}.agent.log", mount.display()));
         let log_file = std::fs::File::create(&log)?;
         let bin_str = bin.to_str().context("agent path is not UTF-8")?;
+        // Production's layout unless the test chose a root: the hooks on the
+        // root above every pod (here, above the test process itself).
+        let cgroup_root = if extra.contains(&"--cgroup-root") { None } else { Some(TestRoot::get()?) };
         let mut cmd = match wrapper.split_first() {
             Some((program, args)) => {
                 let mut c = node.command(program);
@@ -93,6 +98,7 @@ impl Agent {
             .arg("--metrics-bind-address")
             .arg(metrics.to_string())
             .args(extra)
+            .args(cgroup_root.iter().flat_map(|r| [std::ffi::OsStr::new("--cgroup-root"), r.path.as_os_str()]))
             .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
             .stdin(Stdio::null())
             .stdout(log_file.try_clone()?)
@@ -101,6 +107,7 @@ impl Agent {
             .with_context(|| format!("start {}", bin.display()))?;
         Ok(Agent {
             child: Some(child),
+            _cgroup_root: cgroup_root,
             node: node.name.clone(),
             bpffs_root: bpffs_root.to_path_buf(),
             healthz,

@@ -1,20 +1,24 @@
 //! A network namespace that is deleted on drop, and a way to run code in it.
 
-use std::{fs::File, thread};
+use std::{fs::File, sync::Arc, thread};
 
 use anyhow::{Context, Result};
 use nix::sched::{CloneFlags, setns};
 
-use crate::run;
+use crate::{cgroup::TestRoot, run};
 
 pub struct Netns {
     pub name: String,
+    /// Every test world lives under the hooked cgroup root (see cgroup.rs)
+    /// for as long as any of its namespaces does, agent restarts included.
+    _cgroup_root: Arc<TestRoot>,
 }
 
 impl Netns {
     pub fn new(name: &str) -> Result<Self> {
+        let cgroup_root = TestRoot::get()?;
         run("ip", &["netns", "add", name])?;
-        let ns = Netns { name: name.to_string() };
+        let ns = Netns { name: name.to_string(), _cgroup_root: cgroup_root };
         ns.ip(&["link", "set", "lo", "up"])?;
         Ok(ns)
     }

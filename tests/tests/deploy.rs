@@ -26,7 +26,6 @@ use k8s_openapi::{
 use proxy_tests::{
     agent::{Agent, tc_attached},
     bpffs::Bpffs,
-    cgroup::Cgroup,
     is_root,
     manifests::echo_service,
     topology::Node,
@@ -255,7 +254,6 @@ const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 /// Runs the agent with exactly `caps` (bounding set; root keeps no other
 /// capability) and says whether it got healthy and attached.
 fn agent_works_with(caps: &[String]) -> Result<()> {
-    let cgroup = Cgroup::new("caps")?;
     let mut node = Node::new("caps")?;
     let pod = node.add_pod("p", Ipv4Addr::new(10, 244, 0, 2))?;
     let bpffs = Bpffs::new("caps")?;
@@ -264,8 +262,9 @@ fn agent_works_with(caps: &[String]) -> Result<()> {
     std::fs::write(manifests.path().join("echo.yaml"), echo_service("demo", "echo", CLUSTER_IP, &[pod.ip]))?;
     let set = format!("--bounding-set=-all{}", caps.iter().map(|c| format!(",+{c}")).collect::<String>());
     let wrapper = ["setpriv", set.as_str(), "--inh-caps=-all", "--ambient-caps=-all", "--"];
-    let cgroup_root = cgroup.path().to_str().unwrap();
-    let mut agent = Agent::start_wrapped(&node.ns, &wrapper, manifests.path(), &root, &["--cgroup-root", cgroup_root])?;
+    // The hooked root the agent itself runs under (Agent's default).
+    let cgroup_root = proxy_tests::cgroup::TestRoot::get()?.path.display().to_string();
+    let mut agent = Agent::start_wrapped(&node.ns, &wrapper, manifests.path(), &root, &[])?;
     agent.wait_healthy(&node.ns, Duration::from_secs(10))?;
     ensure!(tc_attached(&node.ns, &pod.host_if)?, "healthy but not attached:\n{}", agent.logs());
     let socket_hooks = std::fs::read_dir(root.join("links"))?.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("cgroup-")).count();

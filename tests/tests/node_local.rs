@@ -1,9 +1,16 @@
 //! Services for processes on the node itself, translated at the socket by
 //! the cgroup hooks: a node process reaches a ClusterIP and a NodePort over
 //! TCP and UDP, sees the service address as its peer (getpeername, recvmsg),
-//! gets ECONNREFUSED from a Service without endpoints, and a process outside
-//! the agent's cgroup is left alone. The hooks outlive a SIGTERM and go with
-//! `cleanup`. The same for an IPv6 Service, through the IPv6 hooks.
+//! gets ECONNREFUSED from a Service without endpoints, also from a secondary
+//! node address, and a process outside the agent's cgroup is left alone. The
+//! hooks outlive a SIGTERM and go with `cleanup`. The same for an IPv6
+//! Service, through the IPv6 hooks.
+//!
+//! The hooks sit on the root above every pod, as on a real node, and leave
+//! pods' sockets to TC: a pod's own `127.0.0.1:<nodePort>` stays its own,
+//! and a pod reaching a NodePort is masqueraded as at its veth. The node's
+//! network namespace is known by SO_NETNS_COOKIE, or on older kernels by a
+//! probe socket of the agent's; both ways are tested.
 
 use std::{
     collections::BTreeSet,
@@ -58,23 +65,18 @@ fn refused() -> Result<&'static str> {
     Ok(if proxy_user::kernel::probe()?.sock_set_retval { "error=ConnectionRefused" } else { "error=PermissionDenied" })
 }
 
-/// `netprobe` as a node process: in the node's namespace and cgroup.
-fn probe(cg: Option<&Cgroup>, node: &Netns, proto: &str, to: &str) -> Result<String> {
+/// `netprobe` as a node process: in the node's namespace and in `cg`.
+fn probe(cg: &Cgroup, node: &Netns, proto: &str, to: &str) -> Result<String> {
+    probe_from(cg, node, proto, to, None)
+}
+
+/// The same from a chosen source address.
+fn probe_from(cg: &Cgroup, node: &Netns, proto: &str, to: &str, source: Option<&str>) -> Result<String> {
     let bin = std::path::Path::new(env!("CARGO_BIN_EXE_netprobe"));
-    let mut cmd = match cg {
-        Some(cg) => cg.command(node, bin),
-        None => {
-            let mut c = node.command(bin.to_str().unwrap());
-            c.arg0("netprobe");
-            c
-        }
-    };
-    let out = cmd.args([proto, to]).output().context("run netprobe")?;
+    let out = cg.command(node, bin).args([proto, to]).args(source).output().context("run netprobe")?;
     anyhow::ensure!(out.status.success(), "netprobe {proto} {to}: {}", String::from_utf8_lossy(&out.stderr));
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
-
-use std::os::unix::process::CommandExt as _;
 
 #[test]
 fn node_processes_reach_services_through_the_socket_hooks() -> Result<()> {
@@ -89,30 +91,38 @@ fn node_processes_reach_services_through_the_socket_hooks() -> Result<()> {
         servers.push(EchoServer::start(&p.ns, &p.name, 5353)?);
     }
     let cg = Cgroup::new("nodelocal")?;
+    let outside_cg = Cgroup::outside("nodelocal")?;
     let bpffs = Bpffs::new("nodelocal")?;
     let root = bpffs.path().join("agent");
     let dir = tempfile::tempdir()?;
     std::fs::write(dir.path().join("svc.yaml"), MANIFESTS)?;
-    let cg_flag = cg.path().to_str().unwrap().to_string();
-    let mut agent = Agent::start(&node.ns, dir.path(), &root, &["--cgroup-root", &cg_flag])?;
+    let mut agent = Agent::start(&node.ns, dir.path(), &root, &[])?;
     agent.wait_healthy(&node.ns, TIMEOUT)?;
 
     for (proto, to, port) in [("tcp", "10.96.0.10:80", 8080), ("udp", "10.96.0.10:53", 5353), ("tcp", "192.168.0.2:30080", 8080)] {
         let answered = backends_answering(&cg, &node.ns, &agent, proto, to)?;
         assert_eq!(answered, BTreeSet::from(["b1".to_string(), "b2".to_string()]), "{proto} {to} (backend port {port})");
     }
-    assert_eq!(probe(Some(&cg), &node.ns, "tcp", "10.96.0.12:80")?, refused()?, "no endpoints: REJECT");
+    assert_eq!(probe(&cg, &node.ns, "tcp", "10.96.0.12:80")?, refused()?, "no endpoints: REJECT");
+    // A node process bound to a secondary node address: the backend sees
+    // that address and answers it.
+    node.ns.ip(&["addr", "add", "192.168.0.5/32", "dev", "lo"])?;
+    for (proto, to) in [("tcp", "10.96.0.10:80"), ("udp", "10.96.0.10:53")] {
+        let line = probe_from(&cg, &node.ns, proto, to, Some("192.168.0.5"))?;
+        assert!(line.starts_with(&format!("peer={to} reply=")), "{proto} {to} from 192.168.0.5: {line}\n{}", agent.logs());
+        assert!(line.contains(" 192.168.0.5:"), "{proto} {to}: the backend saw another source: {line}");
+    }
     // A process outside the agent's cgroup is not translated (the ClusterIP
     // is not routable from the node: no answer).
-    let outside = probe(None, &node.ns, "tcp", "10.96.0.10:80")?;
+    let outside = probe(&outside_cg, &node.ns, "tcp", "10.96.0.10:80")?;
     assert!(outside.starts_with("error="), "outside the cgroup: {outside}");
     // SIGTERM leaves the hooks serving; cleanup removes them.
     let status = agent.stop()?;
     assert!(status.success(), "agent exit status {status}");
-    assert!(probe(Some(&cg), &node.ns, "tcp", "10.96.0.10:80")?.starts_with("peer=10.96.0.10:80 "), "hooks kept after SIGTERM");
+    assert!(probe(&cg, &node.ns, "tcp", "10.96.0.10:80")?.starts_with("peer=10.96.0.10:80 "), "hooks kept after SIGTERM");
     let out = node.ns.command(proxy_tests::agent::agent_bin().to_str().unwrap()).args(["cleanup", "--bpffs-root"]).arg(&root).output()?;
     assert!(out.status.success(), "cleanup: {}", String::from_utf8_lossy(&out.stderr));
-    let after = probe(Some(&cg), &node.ns, "tcp", "10.96.0.10:80")?;
+    let after = probe(&cg, &node.ns, "tcp", "10.96.0.10:80")?;
     assert!(after.starts_with("error="), "still translated after cleanup: {after}");
     Ok(())
 }
@@ -150,7 +160,7 @@ spec:
 fn backends_answering(cg: &Cgroup, ns: &Netns, agent: &Agent, proto: &str, to: &str) -> Result<BTreeSet<String>> {
     let mut answered = BTreeSet::new();
     for _ in 0..12 {
-        let line = probe(Some(cg), ns, proto, to).with_context(|| agent.logs())?;
+        let line = probe(cg, ns, proto, to).with_context(|| agent.logs())?;
         assert!(line.starts_with(&format!("peer={to} reply=")), "{proto} {to}: {line}\n{}", agent.logs());
         let backend = line.split("reply=").nth(1).and_then(|r| r.split_whitespace().next()).unwrap_or_default();
         answered.insert(backend.to_string());
@@ -175,20 +185,76 @@ fn node_processes_reach_ipv6_services_through_the_socket_hooks() -> Result<()> {
         }
     }
     let cg = Cgroup::new("nodelocal6")?;
+    let outside_cg = Cgroup::outside("nodelocal6")?;
     let bpffs = Bpffs::new("nodelocal6")?;
     let root = bpffs.path().join("agent");
     let dir = tempfile::tempdir()?;
     std::fs::write(dir.path().join("svc.yaml"), MANIFESTS_V6)?;
-    let cg_flag = cg.path().to_str().unwrap().to_string();
-    let mut agent = Agent::start(&node.ns, dir.path(), &root, &["--cgroup-root", &cg_flag])?;
+    let mut agent = Agent::start(&node.ns, dir.path(), &root, &[])?;
     agent.wait_healthy(&node.ns, TIMEOUT)?;
 
     for (proto, to) in [("tcp", "[fd00:96::10]:80"), ("udp", "[fd00:96::10]:53")] {
         let answered = backends_answering(&cg, &node.ns, &agent, proto, to)?;
         assert_eq!(answered, BTreeSet::from(["b1".to_string(), "b2".to_string()]), "{proto} {to}");
     }
-    assert_eq!(probe(Some(&cg), &node.ns, "tcp", "[fd00:96::12]:80")?, refused()?, "no endpoints: REJECT");
-    let outside = probe(None, &node.ns, "tcp", "[fd00:96::10]:80")?;
+    assert_eq!(probe(&cg, &node.ns, "tcp", "[fd00:96::12]:80")?, refused()?, "no endpoints: REJECT");
+    let outside = probe(&outside_cg, &node.ns, "tcp", "[fd00:96::10]:80")?;
     assert!(outside.starts_with("error="), "outside the cgroup: {outside}");
+    Ok(())
+}
+
+/// Pods under the hooks (their threads share the hooked root with the node's
+/// processes here, as their cgroups do on a real node): a pod's own
+/// 127.0.0.1:<nodePort> is its own loopback (nothing listens there: refused,
+/// where a translated connect would reach a backend), and a pod reaching a
+/// NodePort on the node's address is masqueraded, as TC does at its veth.
+/// The node's processes are still translated. Run with the node's netns
+/// known by SO_NETNS_COOKIE and by the older kernels' probe socket.
+#[test]
+fn pods_under_the_hooks_are_left_to_tc() -> Result<()> {
+    assert!(is_root(), "needs root (network namespaces, cgroups and BPF)");
+    for how in ["SO_NETNS_COOKIE", "probe"] {
+        pods_left_to_tc(how).with_context(|| format!("node netns learned by {how}"))?;
+    }
+    Ok(())
+}
+
+fn pods_left_to_tc(how: &str) -> Result<()> {
+    let mut node = Node::new("podhooks")?;
+    let b1 = node.add_pod("b1", Ipv4Addr::new(10, 244, 0, 11))?;
+    let b2 = node.add_pod("b2", Ipv4Addr::new(10, 244, 0, 12))?;
+    let client = node.add_pod("client", Ipv4Addr::new(10, 244, 0, 20))?;
+    let _lan = node.add_external("lan", NODE_IP, &[Ipv4Addr::new(203, 0, 113, 2)], &[])?;
+    let mut servers = Vec::new();
+    for p in [&b1, &b2] {
+        servers.push(EchoServer::start(&p.ns, &p.name, 8080)?);
+        servers.push(EchoServer::start(&p.ns, &p.name, 5353)?);
+    }
+    let cg = Cgroup::new("podhooks")?;
+    let bpffs = Bpffs::new("podhooks")?;
+    let root = bpffs.path().join("agent");
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("svc.yaml"), MANIFESTS)?;
+    let env = format!("EBPF_PROXY_NETNS_COOKIE={}", if how == "probe" { "probe" } else { "sockopt" });
+    let mut agent = Agent::start_wrapped(&node.ns, &["env", &env], dir.path(), &root, &["--cluster-cidr", "10.244.0.0/16"])?;
+    agent.wait_healthy(&node.ns, TIMEOUT)?;
+    assert!(agent.logs().contains(&format!("learned_by=\"{how}\"")), "the agent learned its netns otherwise:\n{}", agent.logs());
+
+    let local = proxy_tests::echo::tcp_request_from(&client.ns, None, "127.0.0.1:30080".parse()?, Duration::from_secs(2));
+    match local {
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+        other => anyhow::bail!("a pod's 127.0.0.1:30080 must stay its own (refused), got {other:?}"),
+    }
+    let via_node = proxy_tests::echo::tcp_request(&client.ns, SocketAddr::new(NODE_IP.into(), 30080)).with_context(|| agent.logs())?;
+    assert!(
+        via_node.seen_client.starts_with(&format!("{NODE_IP}:")),
+        "pod to NodePort must be masqueraded to the node's address, the backend saw {}",
+        via_node.seen_client
+    );
+    // The ClusterIP from the pod: TC's translation, the pod's own source kept.
+    let cluster_ip = proxy_tests::echo::tcp_request(&client.ns, "10.96.0.10:80".parse()?).with_context(|| agent.logs())?;
+    assert_eq!((cluster_ip.from.to_string(), cluster_ip.seen_client.split(':').next()), ("10.96.0.10:80".into(), Some("10.244.0.20")));
+    let line = probe(&cg, &node.ns, "tcp", "10.96.0.10:80")?;
+    assert!(line.starts_with("peer=10.96.0.10:80 reply="), "node process: {line}\n{}", agent.logs());
     Ok(())
 }

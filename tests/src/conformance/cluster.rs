@@ -23,9 +23,11 @@
 //!   "upstream" router that owns every other destination of the cases and
 //!   answers there too (server "upstream:PORT"). So a packet the proxy does
 //!   not handle gets an answer that names who gave it.
-//! - Each node runs its own agent with its own bpffs and its own cgroup for
-//!   the socket hooks (so they see only that node's processes, never the
-//!   machine's); both read one manifests directory.
+//! - Each node runs its own agent with its own bpffs; both read one
+//!   manifests directory. As on a real node, both agents' socket hooks sit
+//!   on the cgroup root above every pod (the test process's threads) and
+//!   every node process (a child cgroup per node, see cgroup.rs): the hooks
+//!   themselves keep to their own node's network namespace.
 //!
 //! Everything is removed on drop, in dependency order, also on failure.
 
@@ -274,15 +276,10 @@ impl Cluster {
             let bpffs = Bpffs::new(&format!("conf-{name}"))?;
             let root = bpffs.path().join("agent");
             self.bpffs.push(bpffs);
-            let mut node_args: Vec<&str> = args.iter().map(String::as_str).collect();
-            // Without it the hooks would go on the machine's root cgroup.
-            let cgroup_root;
-            if known.contains("--cgroup-root") {
-                let cg = Cgroup::new(&format!("conf-{name}"))?;
-                cgroup_root = cg.path().display().to_string();
-                node_args.extend(["--cgroup-root", cgroup_root.as_str()]);
-                self.cgroups.push(cg);
-            }
+            let node_args: Vec<&str> = args.iter().map(String::as_str).collect();
+            // The node's own processes; the agent hooks the root above them
+            // and above every pod (Agent's default, as on a real node).
+            self.cgroups.push(Cgroup::new(&format!("conf-{name}"))?);
             self.agents.push(Agent::start_as(ns, name, self.manifests.path(), &root, &node_args)?);
         }
         for (agent, ns) in self.agents.iter_mut().zip([&self.test_node.ns, &self.node2.ns]) {
@@ -327,7 +324,7 @@ impl Cluster {
         Client::Ns(&self.upstream)
     }
 
-    /// The cgroup of test-node's processes, when the agent has socket hooks.
+    /// The cgroup of test-node's processes.
     pub fn test_node_cgroup(&self) -> Option<&Cgroup> {
         self.cgroups.first()
     }
