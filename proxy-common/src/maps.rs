@@ -395,6 +395,10 @@ pub enum Counter {
     /// the same backend: it leaves with a port of its own, as Linux NAT
     /// remaps a local connection whose tuple is taken.
     NodeSnat = 20,
+    /// A TCP RST that would have been REJECTed: dropped unanswered. A reset
+    /// is never answered with a reset (netfilter's REJECT neither), or two
+    /// nodes' unserved ports could bounce a spoofed one between them.
+    RejectSuppressed = 21,
 }
 
 /// Slots of the IPv6 program array: which IPv6 program each IPv4 program
@@ -406,11 +410,12 @@ pub const IPV6_PROG_TRACE: u32 = 2;
 pub const IPV6_PROG_MASQUERADE: u32 = 3;
 pub const IPV6_PROG_COUNT: u32 = 4;
 
-pub const COUNTER_NAMES: [&str; 21] = [
+pub const COUNTER_NAMES: [&str; 22] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",
     "fragment", "rebalanced", "rewrite_failed", "rejected", "drop_unallocated",
     "drop_source_range", "drop_no_local", "masqueraded", "snat_failed", "affinity_hit",
     "reject_failed", "extension_header", "snat_port_shared", "node_snat",
+    "reject_suppressed",
 ];
 /// Slots of the pinned `COUNTERS` array: room to add counters without
 /// changing the map's layout (which an upgrade could not reuse). At most 32:

@@ -338,6 +338,10 @@ mod program {
 
     #[inline(always)]
     fn reject_packet<const TRACE: bool, const V6: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
+        if pkt.tcp_flags & parse::TCP_RST != 0 {
+            note::<TRACE>(Counter::RejectSuppressed);
+            return DROP;
+        }
         let rejected = if V6 { reject6::reject(ctx, pkt) } else { reject::reject(ctx, pkt) };
         match rejected {
             Ok(redirect) => {

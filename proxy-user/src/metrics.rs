@@ -301,7 +301,7 @@ fn verdict_of(index: usize) -> (&'static str, &'static str) {
     let verdict = match index {
         i if [Passed, Malformed, Fragment, ExtensionHeader].iter().any(|c| *c as usize == i) => "passed",
         i if i == Rejected as usize => "rejected",
-        i if [NoBackend, CtFull, RewriteFailed, DropUnallocated, DropSourceRange, DropNoLocal, RejectFailed]
+        i if [NoBackend, CtFull, RewriteFailed, DropUnallocated, DropSourceRange, DropNoLocal, RejectFailed, RejectSuppressed]
             .iter()
             .any(|c| *c as usize == i) =>
         {

@@ -187,6 +187,13 @@ fn translation_cases() -> Vec<Case> {
             Expect::Translated(reject_of(&tcp_data((CLIENT, 40003), (VIP_EMPTY, 80), b"late"))),
             &[Counter::NoBackend, Counter::Rejected],
         ),
+        Case::new(
+            "TCP RST -> 10.96.0.20:80, no backend: dropped, never answered with a reset",
+            tcp_rst((CLIENT, 40006), (VIP_EMPTY, 80)),
+            TC_ACT_SHOT,
+            Expect::Unchanged,
+            &[Counter::NoBackend, Counter::RejectSuppressed],
+        ),
     ]
 }
 
@@ -828,6 +835,12 @@ fn tcp_data(src: Endpoint, dst: Endpoint, payload: &[u8]) -> Vec<u8> {
             .write(v, payload)
             .unwrap()
     })
+}
+
+fn tcp_rst(src: Endpoint, dst: Endpoint) -> Vec<u8> {
+    let mut h = TcpHeader::new(src.1, dst.1, 1_000_001, 0);
+    h.rst = true;
+    build(|v| PacketBuilder::ethernet2(MAC_SRC, MAC_DST).ipv4(src.0, dst.0, 64).tcp_header(h).write(v, &[]).unwrap())
 }
 
 fn tcp_fin(src: Endpoint, dst: Endpoint) -> Vec<u8> {

@@ -11,11 +11,12 @@ use std::net::Ipv6Addr;
 
 use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TcpHeader, TransportHeader, icmpv6::DestUnreachableCode, Icmpv6Type};
 use proxy_common::*;
-use proxy_tests::fixture::{Case, Expect, Fixture, TC_ACT_OK, reset_for, run_table};
+use proxy_tests::fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_SHOT, reset_for, run_table};
 use proxy_user::{maps::Maps, reconciler::MapWriter};
 
 /// bpf_redirect(): a REJECT goes back out the interface it came in on.
 const TC_ACT_REDIRECT: u32 = 7;
+
 
 const CLIENT: &str = "fd00:10:244::2";
 /// The backend shares the client's /64 and the VIP's first words differ.
@@ -166,6 +167,13 @@ fn translation_cases() -> Vec<Case> {
             TC_ACT_REDIRECT,
             Expect::Translated(reject_of(&tcp_data((CLIENT, 40004), (VIP_EMPTY, 80), b"late"))),
             &[Counter::NoBackend, Counter::Rejected],
+        ),
+        Case::new(
+            "TCP RST|ACK -> [fd00:10:96::30]:80, no backend: dropped, never answered with a reset",
+            tcp_rst((CLIENT, 40006), (VIP_EMPTY, 80)),
+            TC_ACT_SHOT,
+            Expect::Unchanged,
+            &[Counter::NoBackend, Counter::RejectSuppressed],
         ),
         Case::new(
             "UDP -> [fd00:10:96::30]:53, no backend: rejected (ICMPv6 port unreachable)",
@@ -477,6 +485,15 @@ fn tcp_data(src: Endpoint, dst: Endpoint, payload: &[u8]) -> Vec<u8> {
     h.psh = true;
     h.acknowledgment_number = 2_000_001;
     build(|v| PacketBuilder::ethernet2(MAC_SRC, MAC_DST).ipv6(ip(src.0), ip(dst.0), 64).tcp_header(h).write(v, payload).unwrap())
+}
+
+/// A RST|ACK, as a stack answers a segment it has no connection for.
+fn tcp_rst(src: Endpoint, dst: Endpoint) -> Vec<u8> {
+    let mut h = TcpHeader::new(src.1, dst.1, 0, 0);
+    h.rst = true;
+    h.ack = true;
+    h.acknowledgment_number = 1_000_001;
+    build(|v| PacketBuilder::ethernet2(MAC_SRC, MAC_DST).ipv6(ip(src.0), ip(dst.0), 64).tcp_header(h).write(v, &[]).unwrap())
 }
 
 fn udp(src: Endpoint, dst: Endpoint, payload: &[u8]) -> Vec<u8> {
