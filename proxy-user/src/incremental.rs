@@ -10,11 +10,15 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::{
+    api::{core::v1::Service, discovery::v1::EndpointSlice},
+    jiff::Timestamp,
+};
 use proxy_common::FrontendKey;
 
 use crate::{
     model::{self, BackendSetKey, BackendTuple, DesiredState, ModelConfig, ObjectError, ServiceKey},
+    precedence::{self, Claim},
     source::Snapshot,
     topology,
 };
@@ -47,6 +51,16 @@ pub enum Update {
 struct Part {
     state: DesiredState,
     errors: Vec<ObjectError>,
+    /// The Service's creationTimestamp, for `precedence`.
+    created: Option<Timestamp>,
+}
+
+impl Part {
+    /// Its claim on a frontend it has.
+    fn claim(&self, fk: &FrontendKey) -> Claim<'_> {
+        let fe = &self.state.frontends[fk];
+        Claim { kind: fe.kind, created: self.created, service: (&fe.set.service.namespace, &fe.set.service.name) }
+    }
 }
 
 /// How many backend sets hold a backend, per flag bit: the union of its
@@ -97,6 +111,8 @@ pub struct Model {
     desired: DesiredState,
     /// How many Services claim each frontend and ClusterIP.
     frontend_claims: HashMap<FrontendKey, u32>,
+    /// The Services (keys into `parts`) claiming each frontend more than one claims.
+    contested: BTreeMap<FrontendKey, BTreeSet<String>>,
     cluster_ip_claims: HashMap<IpAddr, u32>,
     backend_claims: HashMap<BackendTuple, FlagCounts>,
 }
@@ -113,7 +129,14 @@ impl Model {
     /// What was skipped (the same as `model::build` reports, not in its order).
     pub fn errors(&self) -> Vec<ObjectError> {
         let parts = self.parts.values().flat_map(|p| p.errors.iter());
-        self.key_errors.values().flatten().chain(parts).cloned().collect()
+        let mut errors: Vec<ObjectError> = self.key_errors.values().flatten().chain(parts).cloned().collect();
+        let mut conflicts = Vec::new();
+        for (fk, claimants) in &self.contested {
+            let claims: Vec<Claim> = claimants.iter().map(|joined| self.parts[joined].claim(fk)).collect();
+            precedence::report_losers(fk, &claims, &mut conflicts);
+        }
+        errors.extend(conflicts);
+        errors
     }
 
     fn key_id(&mut self, key: ServiceKey) -> u32 {
@@ -204,12 +227,12 @@ impl Model {
                 errors.extend((1..svcs.len()).map(|_| model::duplicate_service(service_key)));
             }
             if let Some(old) = self.parts.remove(&joined) {
-                self.retract(&old, &mut touched);
+                self.retract(&joined, &old, &mut touched);
             }
             if let Some(svc) = svcs.last() {
                 let (state, part_errors) = model::build_part(service_key, svc, &its_slices, config, zone);
-                let part = Part { state, errors: part_errors };
-                self.assert(service_key, &part, &mut touched);
+                let part = Part { state, errors: part_errors, created: precedence::created(svc) };
+                self.assert(&joined, &part, &mut touched);
                 self.parts.insert(joined, part);
             }
             if errors.is_empty() {
@@ -221,9 +244,10 @@ impl Model {
         if everything { Update::Everything } else { Update::Touched(touched) }
     }
 
-    /// Adds a Service's share. A frontend another Service holds goes to the
-    /// first of the two by (namespace, name), as in `model::build`.
-    fn assert(&mut self, key: ServiceKey, part: &Part, touched: &mut Touched) {
+    /// Adds a Service's share (`own` is its key; it is not in `parts` yet).
+    /// A frontend another Service holds goes to the one `precedence` puts
+    /// first, as in `model::build`.
+    fn assert(&mut self, own: &str, part: &Part, touched: &mut Touched) {
         let d = &mut self.desired;
         for (set, backends) in &part.state.backend_sets {
             d.backend_sets.insert(set.clone(), backends.clone());
@@ -252,19 +276,25 @@ impl Model {
         }
         for (fk, fe) in &part.state.frontends {
             *self.frontend_claims.entry(*fk).or_default() += 1;
-            let ours = match d.frontends.get(fk) {
-                None => true,
-                Some(held) => (held.set.service.namespace.as_str(), held.set.service.name.as_str()) > key,
+            touched.frontends.insert(*fk);
+            let Some(held) = d.frontends.get(fk) else {
+                d.frontends.insert(*fk, fe.clone());
+                continue;
             };
+            // Contested (rare): the holder is the best claim so far.
+            let holder_key = joined((&held.set.service.namespace, &held.set.service.name));
+            let holder = self.parts[&holder_key].claim(fk);
+            let ours = part.claim(fk) < holder;
+            let claimants = self.contested.entry(*fk).or_insert_with(|| BTreeSet::from([holder_key]));
+            claimants.insert(own.to_string());
             if ours {
                 d.frontends.insert(*fk, fe.clone());
             }
-            touched.frontends.insert(*fk);
         }
     }
 
-    /// Takes a Service's share away; it must no longer be in `parts`.
-    fn retract(&mut self, part: &Part, touched: &mut Touched) {
+    /// Takes a Service's share away (`own` is its key); it must no longer be in `parts`.
+    fn retract(&mut self, own: &str, part: &Part, touched: &mut Touched) {
         let d = &mut self.desired;
         for (set, backends) in &part.state.backend_sets {
             d.backend_sets.remove(set);
@@ -309,13 +339,18 @@ impl Model {
                 d.frontends.remove(fk);
                 continue;
             }
+            // Contested (rare): if this Service held it, the best other claim takes it.
+            let claimants = self.contested.get_mut(fk).expect("claimed by more than one");
+            claimants.remove(own);
             let held = &d.frontends[fk].set.service;
             let ours = part.state.frontends[fk].set.service.namespace == held.namespace
                 && part.state.frontends[fk].set.service.name == held.name;
             if ours {
-                // Contested (rare): the next claimant in (namespace, name) order takes it.
-                let next = self.parts.values().find_map(|p| p.state.frontends.get(fk)).expect("another claim");
-                d.frontends.insert(*fk, next.clone());
+                let next = claimants.iter().map(|c| &self.parts[c]).min_by(|a, b| a.claim(fk).cmp(&b.claim(fk))).expect("another claim");
+                d.frontends.insert(*fk, next.state.frontends[fk].clone());
+            }
+            if claimants.len() < 2 {
+                self.contested.remove(fk);
             }
         }
     }
@@ -327,24 +362,43 @@ mod tests {
     use crate::{
         manifest,
         reconciler::{Contents, Reconciler},
+        source::manifests,
     };
 
-    /// Services svc0..svcN in two namespaces with overlapping ExternalIPs
-    /// (contested frontends), shared endpoints, source ranges, local
-    /// policies and slices without a Service: what a random step changes.
+    /// How many variants `service` and `slice` have.
+    const SERVICE_VARIANTS: usize = 1440;
+    const SLICE_VARIANTS: usize = 32;
+
+    /// Services svc0..svcN in two namespaces with contested frontends (shared
+    /// ClusterIPs, ExternalIPs and LB IPs; an ExternalIP on another's
+    /// ClusterIP or NodePort; older and newer and unstamped Services), shared
+    /// endpoints, source ranges, local policies, Proxy-mode LB IPs and
+    /// another proxy's Services: what a random step changes.
     fn service(i: usize, variant: usize) -> String {
         let ns = if i % 2 == 0 { "a" } else { "b" };
-        let ext = ["", "externalIPs: [192.168.9.1]", "externalIPs: [192.168.9.1, 192.168.9.2]"][variant % 3];
-        let policy = ["Cluster", "Local"][variant % 2];
-        let ranges = if variant % 4 == 3 { "loadBalancerSourceRanges: [10.1.0.0/16]" } else { "" };
-        let ty = if variant % 4 == 3 { "LoadBalancer" } else { "ClusterIP" };
+        let ext = [
+            "",
+            "externalIPs: [192.168.9.1]",
+            "externalIPs: [192.168.9.1, 192.168.9.2]",
+            "externalIPs: [10.96.0.1, 192.168.9.2]",
+            "externalIPs: [192.168.0.2]",
+        ][variant % 5];
+        let policy = ["Cluster", "Local"][variant / 5 % 2];
+        let lb = variant / 10 % 2 == 1;
+        let ranges = if lb { "loadBalancerSourceRanges: [10.1.0.0/16]" } else { "" };
+        let ty = if lb { "LoadBalancer" } else { "ClusterIP" };
+        // 30001 is svc1's NodePort: an ExternalIP on the node address takes it.
+        let port = [80, 81, 30001][variant / 20 % 3];
+        let created = ["", "creationTimestamp: '2025-01-01T00:00:00Z', ", "creationTimestamp: '2025-01-02T00:00:00Z', "][variant / 60 % 3];
+        let ip_mode = if variant / 180 % 2 == 1 { ", ipMode: Proxy" } else { "" };
+        let labels = if variant / 360 % 4 == 3 { "labels: {service.kubernetes.io/service-proxy-name: other}, " } else { "" };
         format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: svc{i}, namespace: {ns}}}\nspec:\n  type: {ty}\n  \
-             clusterIP: 10.96.0.{}\n  externalTrafficPolicy: {policy}\n  {ext}\n  {ranges}\n  ports: [{{name: p, port: {}, nodePort: {}}}]\n\
-             status: {{loadBalancer: {{ingress: [{{ip: 1.1.1.{i}}}]}}}}\n",
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: svc{i}, namespace: {ns}, {created}{labels}}}\nspec:\n  type: {ty}\n  \
+             clusterIP: 10.96.0.{}\n  externalTrafficPolicy: {policy}\n  {ext}\n  {ranges}\n  ports: [{{name: p, port: {port}, nodePort: {}}}]\n\
+             status: {{loadBalancer: {{ingress: [{{ip: 1.1.1.{}{ip_mode}}}]}}}}\n",
             i % 5 + 1,
-            80 + variant % 2,
-            30000 + i
+            30000 + i,
+            i % 4,
         )
     }
 
@@ -357,14 +411,31 @@ mod tests {
                 format!("- {{addresses: [10.244.0.{}], nodeName: {node}, conditions: {{ready: {ready}, serving: true, terminating: {}}}}}\n", (i + e) % 6 + 1, !ready)
             })
             .collect();
+        let headless = if variant / 8 == 0 { ", service.kubernetes.io/headless: ''" } else { "" };
         format!(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: svc{i}-s, namespace: {ns}, labels: {{kubernetes.io/service-name: svc{i}}}}}\n\
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: svc{i}-s, namespace: {ns}, labels: {{kubernetes.io/service-name: svc{i}{headless}}}}}\n\
              addressType: IPv4\nports: [{{name: p, port: 8080}}]\nendpoints:\n{eps}"
         )
     }
 
-    fn parse(yaml: &str) -> manifest::Object {
-        manifest::parse(std::path::Path::new("t.yaml"), yaml).unwrap().remove(0)
+    /// One object as the manifests source serves it: none when its labels
+    /// make it another proxy's.
+    fn served(yaml: &str) -> Option<manifest::Object> {
+        manifests::ours(manifest::parse(std::path::Path::new("t.yaml"), yaml).unwrap()).pop()
+    }
+
+    fn served_service(yaml: &str) -> Option<Arc<Service>> {
+        served(yaml).map(|o| match o {
+            manifest::Object::Service(s) => s,
+            _ => unreachable!(),
+        })
+    }
+
+    fn served_slice(yaml: &str) -> Option<Arc<EndpointSlice>> {
+        served(yaml).map(|o| match o {
+            manifest::Object::EndpointSlice(s) => s,
+            _ => unreachable!(),
+        })
     }
 
     /// Random changes (add, change, remove Services and slices, node
@@ -390,27 +461,20 @@ mod tests {
         let mut before = DesiredState::default();
         let (mut touched_maps, mut full_maps) = (Contents::default(), Contents::default());
         let (mut by_touched, mut by_full) = (Reconciler::adopt(Contents::default()), Reconciler::adopt(Contents::default()));
-        for step in 0..600 {
+        // Which contests the steps went through: (losing kind, winning kind).
+        let mut contests: BTreeSet<(String, String)> = BTreeSet::new();
+        for step in 0..1500 {
             let i = next(N);
             match next(9) {
                 0 => services[i + N * next(2)] = None,
                 1 => slices[i + N * next(2)] = None,
-                7 => match parse(&service(i, next(8))) {
-                    manifest::Object::Service(s) => services[i + N] = Some(s),
-                    _ => unreachable!(),
-                },
-                8 => match parse(&slice(i, next(8)).replace("labels: {kubernetes.io/service-name: svc", "labels: {x: svc")) {
-                    manifest::Object::EndpointSlice(s) => slices[i + N] = Some(s),
-                    _ => unreachable!(),
-                },
-                2 | 3 => match parse(&service(i, next(8))) {
-                    manifest::Object::Service(s) => services[i] = Some(s),
-                    _ => unreachable!(),
-                },
-                4 | 5 => match parse(&slice(i, next(8))) {
-                    manifest::Object::EndpointSlice(s) => slices[i] = Some(s),
-                    _ => unreachable!(),
-                },
+                7 => services[i + N] = served_service(&service(i, next(SERVICE_VARIANTS))),
+                8 => {
+                    let unlabelled = slice(i, next(SLICE_VARIANTS)).replace("labels: {kubernetes.io/service-name: svc", "labels: {x: svc");
+                    slices[i + N] = served_slice(&unlabelled);
+                }
+                2 | 3 => services[i] = served_service(&service(i, next(SERVICE_VARIANTS))),
+                4 | 5 => slices[i] = served_slice(&slice(i, next(SLICE_VARIANTS))),
                 _ => config.detect_local = !config.detect_local,
             }
             let snap = Snapshot {
@@ -425,6 +489,12 @@ mod tests {
                 v.sort_by(|a, b| (&a.object, &a.reason).cmp(&(&b.object, &b.reason)));
                 v
             };
+            for e in want_errors.iter().filter(|e| e.reason.contains("frontend conflict")) {
+                if let Some((loser, rest)) = e.reason.split_once(' ') {
+                    let winner = rest.split("'s ").nth(1).and_then(|w| w.split(',').next());
+                    contests.extend(winner.map(|w| (loser.to_string(), w.to_string())));
+                }
+            }
             assert_eq!(sorted(model.errors()), sorted(want_errors), "step {step}");
             by_full.sync(&want, &mut full_maps).unwrap();
             match &update {
@@ -451,18 +521,59 @@ mod tests {
             }
             before = want;
         }
+        for (loser, winner) in [("ClusterIP", "ClusterIP"), ("ExternalIP", "ClusterIP"), ("NodePort", "ExternalIP"), ("ExternalIP", "ExternalIP"), ("LoadBalancer", "LoadBalancer")] {
+            assert!(contests.contains(&(loser.to_string(), winner.to_string())), "no {loser} lost to a {winner}: {contests:?}");
+        }
     }
 
     #[test]
     fn an_unchanged_snapshot_touches_nothing() {
-        let svc = match parse(&service(1, 1)) {
-            manifest::Object::Service(s) => s,
-            _ => unreachable!(),
-        };
+        let svc = served_service(&service(1, 1)).unwrap();
         let snap = Snapshot { services: vec![svc], ..Default::default() };
         let config = ModelConfig::default();
         let mut model = Model::default();
         assert_eq!(model.update(&snap, &config), Update::Everything);
         assert_eq!(model.update(&snap.clone(), &config), Update::Touched(Touched::default()));
+    }
+
+    /// The manifests source re-reads a file whose labels changed: a Service
+    /// (and its slice) labelled for another proxy goes, and comes back when
+    /// the label does, through the incremental model as through a full build.
+    #[test]
+    fn a_label_added_later_takes_a_service_away_and_removing_it_brings_it_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("web.yaml");
+        // The Service and its slice, both with `label` (the controller copies a Service's labels to its slices).
+        let web = |label: &str| {
+            format!(
+                "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: a, labels: {{{label}}}}}\n\
+                 spec: {{clusterIP: 10.96.0.10, externalIPs: [192.0.2.10], ports: [{{name: p, port: 80}}]}}\n---\n\
+                 apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+                 metadata: {{name: web-1, namespace: a, labels: {{kubernetes.io/service-name: web, {label}}}}}\n\
+                 addressType: IPv4\nports: [{{name: p, port: 8080}}]\nendpoints: [{{addresses: [10.244.0.1]}}]\n"
+            )
+        };
+        let config = ModelConfig { node_name: "node-a".into(), ..Default::default() };
+        let mut files = manifests::DirState::default();
+        let mut model = Model::default();
+        let mut apply = |yaml: &str| {
+            std::fs::write(&file, yaml).unwrap();
+            assert!(files.reload(vec![file.clone()]));
+            let snap = files.snapshot();
+            let update = model.update(&snap, &config);
+            let (want, errors) = model::build(&snap, &config);
+            assert_eq!(model.desired(), &want);
+            assert!(errors.is_empty() && model.errors().is_empty(), "{errors:?}");
+            (want.frontends.keys().copied().collect::<BTreeSet<_>>(), want.backends.len(), update)
+        };
+        let (served, backends, _) = apply(&web("app: web"));
+        assert_eq!((served.len(), backends), (4, 1), "ClusterIP and ExternalIP, each in both scopes; one endpoint");
+        let (gone, backends, update) = apply(&web("service.kubernetes.io/service-proxy-name: other"));
+        assert_eq!((gone.len(), backends), (0, 0));
+        let Update::Touched(touched) = update else { panic!("not incremental: {update:?}") };
+        assert_eq!(touched.frontends, served);
+        let (back, backends, update) = apply(&web("tier: front"));
+        assert_eq!((&back, backends), (&served, 1));
+        assert!(matches!(update, Update::Touched(t) if t.frontends == served));
     }
 }

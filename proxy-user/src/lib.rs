@@ -16,6 +16,7 @@ pub mod maps;
 pub mod metrics;
 pub mod model;
 pub mod node_addrs;
+pub mod precedence;
 pub mod rbac;
 pub mod reconciler;
 pub mod snat_ports;

@@ -175,6 +175,10 @@ pub fn classify(e: &ObjectError) -> (&'static str, &'static str) {
         "port_out_of_range"
     } else if r.contains("unknown protocol") {
         "unknown_protocol"
+    } else if r.contains("ipMode: unknown mode") {
+        "unknown_ip_mode"
+    } else if r.contains("(frontend conflict)") {
+        "frontend_conflict"
     } else if r.contains("no such service") || r.contains("kubernetes.io/service-name label") {
         "missing_service"
     } else if r.contains("duplicate") {
@@ -413,6 +417,12 @@ kind: EndpointSlice
 metadata: {name: orphan, namespace: a, labels: {kubernetes.io/service-name: gone}}
 addressType: IPv4
 endpoints: []
+---
+apiVersion: v1
+kind: Service
+metadata: {name: grab, namespace: a}
+spec: {clusterIP: 10.96.0.8, externalIPs: [10.96.0.7], ports: [{name: c, port: 82}]}
+status: {loadBalancer: {ingress: [{ip: 192.0.2.1, ipMode: Tunnel}]}}
 "#;
 
     #[test]
@@ -437,6 +447,8 @@ endpoints: []
         assert!(line(r#"ebpf_proxy_invalid_objects{kind="Service",reason="unknown_protocol"} 1"#).is_some(), "{text}");
         assert!(line(r#"ebpf_proxy_invalid_objects{kind="EndpointSlice",reason="missing_service"} 1"#).is_some(), "{text}");
         assert!(line(r#"ebpf_proxy_invalid_objects{kind="EndpointSlice",reason="duplicate"} 1"#).is_some(), "{text}");
+        assert!(line(r#"ebpf_proxy_invalid_objects{kind="Service",reason="frontend_conflict"} 1"#).is_some(), "{text}");
+        assert!(line(r#"ebpf_proxy_invalid_objects{kind="Service",reason="unknown_ip_mode"} 1"#).is_some(), "{text}");
         // Without pinned maps, the dataplane figures are absent, not invented.
         assert!(!text.contains("ebpf_proxy_map_entries"), "{text}");
     }

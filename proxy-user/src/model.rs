@@ -3,7 +3,7 @@
 //! executes what is decided here, so this is where behaviour is tested.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap, hash_map},
     fmt,
     net::IpAddr,
     sync::Arc,
@@ -11,7 +11,7 @@ use std::{
 
 use ipnet::IpNet;
 use k8s_openapi::api::{
-    core::v1::{Service, ServiceSpec},
+    core::v1::{LoadBalancerIngress, Service, ServiceSpec},
     discovery::v1::{Endpoint, EndpointSlice},
 };
 use proxy_common::{
@@ -22,6 +22,7 @@ use proxy_common::{
 };
 
 use crate::{
+    precedence::{self, Claim},
     source::Snapshot,
     topology::{self, Hints},
 };
@@ -232,13 +233,17 @@ pub fn build_part(
 
 /// The whole desired state from scratch. The agent keeps it up to date with
 /// `incremental::Model` instead; this is the reference it is tested against.
-/// A frontend two Services claim (the API forbids it for ClusterIPs and
-/// NodePorts, not for ExternalIPs) goes to the first by namespace/name.
+/// A frontend several Services claim goes to one of them by `precedence`;
+/// each other claim is reported.
 pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<ObjectError>) {
     let mut state = DesiredState::default();
     let grouped = group(snapshot);
     let mut errors = grouped.errors;
     let zone = topology::node_zone(snapshot.node.as_ref());
+    // The claim each frontend is served by, and every claim on those more
+    // than one Service claims.
+    let mut holders: HashMap<FrontendKey, Claim> = HashMap::new();
+    let mut contested: BTreeMap<FrontendKey, Vec<Claim>> = BTreeMap::new();
     for (key, svc) in &grouped.services {
         let slices = grouped.slices.get(key).map(Vec::as_slice).unwrap_or(&[]);
         let (part, part_errors) = build_part(*key, svc, slices, config, zone);
@@ -247,9 +252,28 @@ pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<Ob
         state.source_ranges.extend(part.source_ranges);
         state.cluster_ips.extend(part.cluster_ips);
         for (fk, fe) in part.frontends {
-            state.frontends.entry(fk).or_insert(fe);
+            let claim = Claim::new(fe.kind, svc, *key);
+            match holders.entry(fk) {
+                hash_map::Entry::Vacant(free) => {
+                    free.insert(claim);
+                    state.frontends.insert(fk, fe);
+                }
+                hash_map::Entry::Occupied(mut held) => {
+                    let holder = *held.get();
+                    contested.entry(fk).or_insert_with(|| vec![holder]).push(claim);
+                    if claim < holder {
+                        held.insert(claim);
+                        state.frontends.insert(fk, fe);
+                    }
+                }
+            }
         }
     }
+    let mut conflicts = Vec::new();
+    for (fk, claims) in &contested {
+        precedence::report_losers(fk, claims, &mut conflicts);
+    }
+    errors.extend(conflicts);
     state.backends = backend_states(&state);
     (state, errors)
 }
@@ -327,7 +351,8 @@ fn build_family(
     let external_ips = ctx.ips("spec.externalIPs", spec.external_ips.iter().flatten(), ipv6);
     let lb_ips = {
         let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|lb| lb.ingress.as_ref());
-        let ips: Vec<&String> = ingress.into_iter().flatten().filter_map(|i| i.ip.as_ref()).collect();
+        let vips = ingress.into_iter().flatten().enumerate().filter(|(i, ing)| is_vip_mode(*i, ing, ctx));
+        let ips: Vec<&String> = vips.filter_map(|(_, ing)| ing.ip.as_ref()).collect();
         ctx.ips("status.loadBalancer.ingress", ips, ipv6)
     };
     let source_ranges = admit_lb_ips_if_node_admitted(parse_source_ranges(spec, ctx, ipv6), &lb_ips, &config.node_addresses);
@@ -352,6 +377,11 @@ fn build_family(
         let affinity_timeout_s = affinity_timeout(spec);
         let (mut has_cluster, mut has_local) = (false, false);
         let mut add = |state: &mut DesiredState, key: FrontendKey, set: &BackendSetKey, kind: u8, mut flags: u8, empty: bool| {
+            // The Service's own ClusterIP listed again as its ExternalIP (or
+            // LB IP) stays a ClusterIP, as between two Services.
+            if state.frontends.get(&key).is_some_and(|held| precedence::rank(held.kind) < precedence::rank(kind)) {
+                return;
+            }
             if set.policy == POLICY_LOCAL { has_local = true } else { has_cluster = true }
             // Endpoints elsewhere but none for this policy: kube-proxy drops;
             // no endpoint at all: it rejects.
@@ -430,6 +460,23 @@ fn build_family(
         }
         if has_local {
             state.backend_sets.insert(local, endpoints.local);
+        }
+    }
+}
+
+/// Whether a load balancer ingress IP is one to serve (KEP-1860, as
+/// kube-proxy's IsVIPMode): `ipMode: VIP`, or none, means the load balancer
+/// delivers packets still addressed to that IP; `Proxy` means it delivers
+/// them to the node or pod address itself, so the IP gets no frontend and a
+/// client in the cluster dialling it reaches the real load balancer.
+fn is_vip_mode(index: usize, ingress: &LoadBalancerIngress, ctx: &mut ServiceCtx) -> bool {
+    match ingress.ip_mode.as_deref() {
+        None | Some("VIP") => true,
+        Some("Proxy") => false,
+        // The API server refuses other values; a manifest may still hold one.
+        Some(other) => {
+            ctx.skip(format!("status.loadBalancer.ingress[{index}].ipMode: unknown mode {other:?}; that address is skipped"));
+            false
         }
     }
 }
@@ -1019,5 +1066,176 @@ endpoints:
         let with_node = ranges_of("192.168.0.0/24, 203.0.113.0/25");
         assert_eq!(with_node, BTreeSet::from(["192.168.0.0/24", "203.0.113.0/25", "1.2.3.4/32"].map(String::from)));
         assert_eq!(ranges_of("203.0.113.0/25"), BTreeSet::from(["203.0.113.0/25".to_string()]));
+    }
+
+    #[test]
+    fn lb_ips_in_proxy_mode_get_no_frontend() {
+        let yaml = lb("loadBalancerSourceRanges: [192.168.0.0/24]", true).replace(
+            "ingress: [{ip: 1.2.3.4}]",
+            "ingress: [{ip: 1.2.3.4, ipMode: Proxy}, {ip: 1.2.3.5, ipMode: VIP}, {ip: 1.2.3.6}, {ip: 1.2.3.7, ipMode: Tunnel}]",
+        );
+        let (state, errors) = build(&Snapshot::from_yaml(&yaml), &node_cfg());
+        // The Proxy-mode IP is the real load balancer's: no frontend, so
+        // clients in the cluster reach it; VIP or no mode: as before.
+        assert!(frontends_at(&state, "1.2.3.4", 80).is_empty());
+        for ip in ["1.2.3.5", "1.2.3.6"] {
+            assert_eq!(frontends_at(&state, ip, 80).len(), 2, "{ip}");
+        }
+        let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        assert_eq!(text, ["service ns/lb: status.loadBalancer.ingress[3].ipMode: unknown mode \"Tunnel\"; that address is skipped"]);
+        assert!(frontends_at(&state, "1.2.3.7", 80).is_empty());
+        // Ranges admitting the node admit only the LB IPs that are served.
+        let nets: BTreeSet<String> = state.source_ranges.values().flatten().map(ToString::to_string).collect();
+        assert_eq!(nets, BTreeSet::from(["192.168.0.0/24", "1.2.3.5/32", "1.2.3.6/32"].map(String::from)));
+    }
+
+    #[test]
+    fn a_service_whose_only_lb_ip_is_in_proxy_mode_is_not_externally_accessible() {
+        let yaml = lb("", true)
+            .replace("  externalIPs: [192.168.99.22]\n", "")
+            .replace(", nodePort: 30080", "")
+            .replace("ingress: [{ip: 1.2.3.4}]", "ingress: [{ip: 1.2.3.4, ipMode: Proxy}]");
+        let (state, errors) = build(&Snapshot::from_yaml(&yaml), &node_cfg());
+        assert!(errors.is_empty(), "{errors:?}");
+        assert!(state.frontends.values().all(|f| f.kind == KIND_CLUSTER_IP), "{:?}", state.frontends);
+    }
+
+    /// A Service `victim` with ClusterIP 10.96.0.10:53/UDP, and a `tenant`
+    /// Service in namespace `tenant_ns` whose ExternalIPs list that ClusterIP
+    /// (and one address of its own), both serving port 53/UDP.
+    fn cluster_ip_claimed_as_external_ip(tenant_ns: &str) -> String {
+        format!(
+            r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: dns, namespace: kube-system, creationTimestamp: "2025-06-01T00:00:00Z"}}
+spec: {{clusterIP: 10.96.0.10, ports: [{{name: dns, port: 53, protocol: UDP}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: dns-1, namespace: kube-system, labels: {{kubernetes.io/service-name: dns}}}}
+addressType: IPv4
+ports: [{{name: dns, port: 53, protocol: UDP}}]
+endpoints: [{{addresses: [10.244.0.53]}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: grab, namespace: {tenant_ns}, creationTimestamp: "2025-01-01T00:00:00Z"}}
+spec: {{clusterIP: 10.96.0.99, externalIPs: [10.96.0.10, 192.0.2.99], ports: [{{name: dns, port: 53, protocol: UDP}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: grab-1, namespace: {tenant_ns}, labels: {{kubernetes.io/service-name: grab}}}}
+addressType: IPv4
+ports: [{{name: dns, port: 53, protocol: UDP}}]
+endpoints: [{{addresses: [10.244.6.66]}}]
+"#
+        )
+    }
+
+    #[test]
+    fn a_cluster_ip_is_never_taken_by_another_services_external_ip() {
+        // The tenant is older, and sorts before and after kube-system: the
+        // ClusterIP wins every time.
+        for tenant_ns in ["aaa", "zzz"] {
+            let (state, errors) = build(&Snapshot::from_yaml(&cluster_ip_claimed_as_external_ip(tenant_ns)), &node_cfg());
+            let dns = vec!["10.244.0.53".to_string()];
+            let at = |ip| frontends_at(&state, ip, 53).into_iter().map(|(kind, _, backends, _)| (kind, backends)).collect::<Vec<_>>();
+            assert_eq!(at("10.96.0.10"), vec![(KIND_CLUSTER_IP, dns.clone()), (KIND_CLUSTER_IP, dns)], "tenant in {tenant_ns}");
+            // The rest of the tenant's Service is still served.
+            let grab = vec!["10.244.6.66".to_string()];
+            assert_eq!(at("10.96.0.99"), vec![(KIND_CLUSTER_IP, grab.clone()), (KIND_CLUSTER_IP, grab.clone())]);
+            assert_eq!(at("192.0.2.99"), vec![(KIND_EXTERNAL_IP, grab.clone()), (KIND_EXTERNAL_IP, grab)]);
+            // Reported once (not once per scope), naming both Services.
+            let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
+            assert_eq!(text, [format!(
+                "service {tenant_ns}/grab: ExternalIP 10.96.0.10:53/UDP is also service kube-system/dns's ClusterIP, \
+                 which is served there (frontend conflict); skipped"
+            )]);
+            assert_eq!(crate::metrics::classify(&errors[0]), ("Service", "frontend_conflict"));
+        }
+    }
+
+    #[test]
+    fn a_cluster_ip_is_never_taken_by_another_services_lb_ip() {
+        for tenant_ns in ["aaa", "zzz"] {
+            let yaml = cluster_ip_claimed_as_external_ip(tenant_ns).replace(
+                "externalIPs: [10.96.0.10, 192.0.2.99], ports: [{name: dns, port: 53, protocol: UDP}]}",
+                "ports: [{name: dns, port: 53, protocol: UDP}]}\nstatus: {loadBalancer: {ingress: [{ip: 10.96.0.10}]}}",
+            );
+            let (state, errors) = build(&Snapshot::from_yaml(&yaml), &node_cfg());
+            assert!(frontends_at(&state, "10.96.0.10", 53).iter().all(|(kind, ..)| *kind == KIND_CLUSTER_IP), "{yaml}");
+            assert_eq!(errors.len(), 1, "{errors:?}");
+            assert!(errors[0].reason.starts_with("LoadBalancer 10.96.0.10:53/UDP is also service kube-system/dns's ClusterIP"), "{errors:?}");
+        }
+    }
+
+    /// Two Services `first` and `second` (in namespaces `a` and `b`, with
+    /// the given metadata) listing the same ExternalIP on one port.
+    fn shared_external_ip(first: &str, second: &str) -> String {
+        [("a", first, "10.96.0.1"), ("b", second, "10.96.0.2")]
+            .map(|(ns, meta, cluster_ip)| {
+                format!(
+                    "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: {ns}{meta}}}\n\
+                     spec: {{clusterIP: {cluster_ip}, externalIPs: [192.0.2.1], ports: [{{port: 80}}]}}\n"
+                )
+            })
+            .join("---\n")
+    }
+
+    fn served_by(state: &DesiredState, ip: &str, port: u16) -> BTreeSet<String> {
+        let addr = Addr::from(ip.parse::<IpAddr>().unwrap());
+        state.frontends.iter().filter(|(k, _)| k.addr == addr && k.port == port.to_be()).map(|(_, f)| f.set.service.to_string()).collect()
+    }
+
+    #[test]
+    fn an_external_ip_two_services_claim_goes_to_the_older_then_by_name() {
+        let older = ", creationTimestamp: '2025-01-01T00:00:00Z'";
+        let newer = ", creationTimestamp: '2025-02-01T00:00:00Z'";
+        for (first, second, winner, loser) in [
+            (newer, older, "b/web", "a/web"),
+            (older, newer, "a/web", "b/web"),
+            // A Service with a timestamp before one without (manifests seldom have one).
+            ("", newer, "b/web", "a/web"),
+            // Neither has one: namespace/name.
+            ("", "", "a/web", "b/web"),
+        ] {
+            let (state, errors) = build(&Snapshot::from_yaml(&shared_external_ip(first, second)), &cfg());
+            assert_eq!(served_by(&state, "192.0.2.1", 80), BTreeSet::from([winner.to_string()]), "{first} {second}");
+            let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
+            assert_eq!(text, [format!(
+                "service {loser}: ExternalIP 192.0.2.1:80/TCP is also service {winner}'s ExternalIP, which is served there (frontend conflict); skipped"
+            )]);
+        }
+    }
+
+    #[test]
+    fn an_external_ip_on_a_node_address_takes_another_services_node_port() {
+        // kube-proxy matches service IPs before NodePorts, whatever the names or ages.
+        let yaml = format!(
+            r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: a, namespace: a, creationTimestamp: "2025-01-01T00:00:00Z"}}
+spec: {{type: NodePort, clusterIP: 10.96.0.1, ports: [{{port: 80, nodePort: 30080}}]}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: z, namespace: z}}
+spec: {{clusterIP: 10.96.0.2, externalIPs: [{NODE_IP}], ports: [{{port: 30080}}]}}
+"#
+        );
+        let (state, errors) = build(&Snapshot::from_yaml(&yaml), &node_cfg());
+        assert_eq!(served_by(&state, NODE_IP, 30080), BTreeSet::from(["z/z".to_string()]));
+        assert!(errors[0].to_string().starts_with(&format!("service a/a: NodePort {NODE_IP}:30080/TCP is also service z/z's ExternalIP")), "{errors:?}");
+    }
+
+    #[test]
+    fn a_services_own_cluster_ip_listed_as_its_external_ip_stays_a_cluster_ip() {
+        let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: a}\n\
+                    spec: {clusterIP: 10.96.0.1, externalIPs: [10.96.0.1], ports: [{port: 80}]}\n";
+        let (state, errors) = build(&Snapshot::from_yaml(yaml), &cfg());
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(frontends_at(&state, "10.96.0.1", 80).iter().map(|f| f.0).collect::<Vec<_>>(), [KIND_CLUSTER_IP, KIND_CLUSTER_IP]);
     }
 }

@@ -31,6 +31,16 @@ use super::{Snapshot, SnapshotSender, Source};
 /// Services (`service.kubernetes.io/headless`).
 pub const PROXY_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
+/// The labels `PROXY_LABEL_SELECTOR` excludes, whatever their value.
+const NOT_OURS_LABELS: [&str; 2] = ["service.kubernetes.io/service-proxy-name", "service.kubernetes.io/headless"];
+
+/// Whether `PROXY_LABEL_SELECTOR` admits an object with these labels. The
+/// API server applies the selector for this source; sources without a
+/// server to ask (manifests) apply it here, so both serve the same objects.
+pub fn is_ours(labels: Option<&BTreeMap<String, String>>) -> bool {
+    labels.is_none_or(|labels| NOT_OURS_LABELS.iter().all(|label| !labels.contains_key(*label)))
+}
+
 /// A client from `--kubeconfig FILE`, or from the in-cluster service account
 /// when no file is given.
 pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
@@ -221,6 +231,19 @@ fn handle<K: Resource + Clone + ResourceExt>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn is_ours_applies_the_selector_the_api_source_sends() {
+        let terms: Vec<String> = NOT_OURS_LABELS.iter().map(|l| format!("!{l}")).collect();
+        assert_eq!(PROXY_LABEL_SELECTOR, terms.join(","));
+        let labels = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>();
+        assert!(is_ours(None));
+        assert!(is_ours(Some(&labels(&[("kubernetes.io/service-name", "web"), ("app", "web")]))));
+        // Any value, the empty one included, makes an object another proxy's.
+        assert!(!is_ours(Some(&labels(&[("service.kubernetes.io/service-proxy-name", "cilium")]))));
+        assert!(!is_ours(Some(&labels(&[("service.kubernetes.io/service-proxy-name", "")]))));
+        assert!(!is_ours(Some(&labels(&[("kubernetes.io/service-name", "hl"), ("service.kubernetes.io/headless", "")]))));
+    }
 
     fn svc(name: &str) -> Service {
         Service { metadata: ObjectMeta { name: Some(name.into()), namespace: Some("a".into()), ..Default::default() }, ..Default::default() }

@@ -1,6 +1,7 @@
 //! `--manifests DIR`: every *.yaml, *.yml and *.json file under DIR, applied
 //! live as files change. A file that does not parse is reported and its last
-//! good version keeps being served, so a typo never drops a Service.
+//! good version keeps being served, so a typo never drops a Service. Objects
+//! kube-proxy's label selector leaves out are left out here too.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -18,7 +19,7 @@ use notify::{
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-use super::{Snapshot, SnapshotSender, Source};
+use super::{Snapshot, SnapshotSender, Source, kube};
 use crate::manifest::{self, ManifestError, Object};
 
 /// A rescan even without events, in case the filesystem drops one.
@@ -116,6 +117,20 @@ impl DirState {
     }
 }
 
+/// A file's objects as this source serves them: those the API source's label
+/// selector would let through (`kube::is_ours`). The others (another proxy's
+/// Services, headless Services' slices) are left out silently, as the API
+/// server leaves them out of the watches; a label added later takes the
+/// object away at the file's next read, and removing it brings it back.
+pub fn ours(mut objects: Vec<Object>) -> Vec<Object> {
+    objects.retain(|obj| match obj {
+        Object::Service(s) => kube::is_ours(s.metadata.labels.as_ref()),
+        Object::EndpointSlice(s) => kube::is_ours(s.metadata.labels.as_ref()),
+        Object::Node(_) => true,
+    });
+    objects
+}
+
 fn content_hash(bytes: &[u8]) -> u64 {
     let mut h = std::hash::DefaultHasher::new();
     bytes.hash(&mut h);
@@ -134,7 +149,7 @@ fn read_all(paths: &[PathBuf], known: &[Option<u64>]) -> Vec<Read> {
                 return Read::Unchanged;
             }
             let parsed = match std::str::from_utf8(&bytes) {
-                Ok(text) => manifest::parse(path, text),
+                Ok(text) => manifest::parse(path, text).map(ours),
                 Err(e) => Err(ManifestError { path: path.display().to_string(), line: 0, reason: format!("not UTF-8: {e}") }),
             };
             Read::Parsed(hash, parsed)
@@ -335,5 +350,47 @@ mod tests {
         std::fs::remove_file(&a).unwrap();
         assert!(st.reload(vec![a]));
         assert_eq!(st.snapshot().services.len(), 1);
+    }
+
+    #[test]
+    fn objects_kube_proxys_selector_leaves_out_are_neither_served_nor_reported() {
+        let yaml = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: a}
+spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: a, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.0.1]}]
+ports: [{port: 8080}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-2, namespace: a, labels: {kubernetes.io/service-name: web, service.kubernetes.io/headless: ""}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.0.2]}]
+ports: [{port: 8080}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: theirs, namespace: a, labels: {service.kubernetes.io/service-proxy-name: cilium}}
+spec: {clusterIP: 10.96.0.11, ports: [{port: 80}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: theirs-1, namespace: a, labels: {kubernetes.io/service-name: theirs, service.kubernetes.io/service-proxy-name: cilium}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.0.3]}]
+ports: [{port: 8080}]
+"#;
+        let (state, errors) = crate::model::build(&Snapshot::from_yaml(yaml), &crate::model::ModelConfig::default());
+        assert!(errors.is_empty(), "{errors:?}");
+        let served: BTreeSet<String> = state.frontends.values().map(|f| f.set.service.to_string()).collect();
+        assert_eq!(served, BTreeSet::from(["a/web".to_string()]));
+        let backends: Vec<String> = state.backend_sets.values().flatten().map(|b| b.addr.to_string()).collect();
+        assert_eq!(backends, ["10.244.0.1"]);
     }
 }

@@ -32,11 +32,12 @@ impl Snapshot {
         }
     }
 
-    /// The objects of one YAML text, for unit tests of what consumes snapshots.
+    /// The objects of one YAML text as the manifests source serves them, for
+    /// unit tests of what consumes snapshots.
     #[cfg(test)]
     pub fn from_yaml(yaml: &str) -> Snapshot {
         let mut snap = Snapshot::default();
-        for obj in crate::manifest::parse(std::path::Path::new("t.yaml"), yaml).unwrap() {
+        for obj in manifests::ours(crate::manifest::parse(std::path::Path::new("t.yaml"), yaml).unwrap()) {
             snap.add(&obj);
         }
         snap
