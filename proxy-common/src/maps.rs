@@ -198,6 +198,11 @@ pub const CT_MASQUERADE: u8 = 1 << 0;
 /// a masqueraded flow's SNAT tuple stays reserved longer, see
 /// `CT_SNAT_TIME_WAIT_NS`.
 pub const CT_CLOSING: u8 = 1 << 1;
+/// The client is a socket of the node whose packet the socket hooks never
+/// saw (a raw socket, a process outside `--cgroup-root`, SCTP), translated
+/// at TC egress. Its replies are delivered locally, with no egress after
+/// ingress: ingress rewrites their source back to the frontend too.
+pub const CT_NODE: u8 = 1 << 2;
 pub const CT_CLOSING_TIMEOUT_NS: u64 = 10_000_000_000;
 /// A closed masqueraded TCP flow's SNAT tuple (node address and port,
 /// backend) goes to no other client for this long after its last packet:
@@ -399,6 +404,13 @@ pub enum Counter {
     /// is never answered with a reset (netfilter's REJECT neither), or two
     /// nodes' unserved ports could bounce a spoofed one between them.
     RejectSuppressed = 21,
+    /// A node packet to a frontend that no socket hook translated (a raw
+    /// socket, a process outside `--cgroup-root`, SCTP): a new flow
+    /// translated at TC egress, as kube-proxy's OUTPUT chain does.
+    NodeEgress = 22,
+    /// A node packet translated at egress found no route to its backend
+    /// (a backend on the node itself, or no forwarding): dropped.
+    NodeRouteFailed = 23,
 }
 
 /// Slots of the IPv6 program array: which IPv6 program each IPv4 program
@@ -410,12 +422,19 @@ pub const IPV6_PROG_TRACE: u32 = 2;
 pub const IPV6_PROG_MASQUERADE: u32 = 3;
 pub const IPV6_PROG_COUNT: u32 = 4;
 
-pub const COUNTER_NAMES: [&str; 22] = [
+/// The program `tc_egress` hands a node socket's IPv4 packets to, by tail
+/// call (its own stack: with the whole new-flow path inline, egress would
+/// pass the BPF stack's 512 bytes).
+pub const MAP_NODE_PROGRAMS: &str = "NODE_PROGRAMS";
+pub const NODE_PROG_EGRESS: u32 = 0;
+pub const NODE_PROG_COUNT: u32 = 1;
+
+pub const COUNTER_NAMES: [&str; 24] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",
     "fragment", "rebalanced", "rewrite_failed", "rejected", "drop_unallocated",
     "drop_source_range", "drop_no_local", "masqueraded", "snat_failed", "affinity_hit",
     "reject_failed", "extension_header", "snat_port_shared", "node_snat",
-    "reject_suppressed",
+    "reject_suppressed", "node_egress", "node_route_failed",
 ];
 /// Slots of the pinned `COUNTERS` array: room to add counters without
 /// changing the map's layout (which an upgrade could not reuse). At most 32:

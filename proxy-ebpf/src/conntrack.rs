@@ -7,11 +7,14 @@ use aya_ebpf::{
     helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
 };
 use proxy_common::{
-    Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, CT_SNAT_TIME_WAIT_NS,
-    CtEntry, CtKey, ServiceEntry,
+    Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_REPLY,
+    CT_SNAT_TIME_WAIT_NS, CtEntry, CtKey, ServiceEntry,
 };
 
-use crate::maps::{CONNTRACK, SNAT};
+use crate::{
+    maps::{CONNTRACK, SNAT},
+    parse::Packet,
+};
 
 /// CLOCK_MONOTONIC at the kernel tick's resolution (a few ms): conntrack's
 /// timeouts are seconds, and the fine clock (a TSC read) cost as much as a
@@ -45,6 +48,15 @@ pub fn lookup_mut(tuple: &CtKey) -> Option<&mut CtEntry> {
 #[inline(always)]
 fn is_live(e: &CtEntry) -> bool {
     e.flags & CT_CLOSING == 0 || now().saturating_sub(e.last_seen_ns) < CT_CLOSING_TIMEOUT_NS
+}
+
+/// The live flow `pkt` belongs to, in either direction. A SYN after the
+/// old connection's FIN or RST opens a new one; any other SYN is a
+/// retransmission and must reach the same backend.
+#[inline(always)]
+pub fn lookup_flow(pkt: &Packet) -> Option<&mut CtEntry> {
+    let reopens = |ct: &&mut CtEntry| ct.direction == CT_ORIGINAL && ct.flags & CT_CLOSING != 0 && pkt.opens_connection();
+    lookup_mut(&pkt.tuple).filter(|ct| !reopens(ct))
 }
 
 /// Another packet of the flow; `closing` when it carries a FIN or RST.
@@ -85,6 +97,8 @@ pub fn create(
         backends_epoch: epoch,
         created_ns: now,
         last_seen_ns: now,
+        // A node client's replies are rewritten whole at ingress.
+        flags: flags & CT_NODE,
         ..Default::default()
     };
     // The reply entry first, so a reply can never miss its translation.
@@ -158,7 +172,7 @@ pub fn claim_snat_reply(snat_key: &CtKey, plain_reply: &CtEntry, client: &Addr, 
     let entry = CtEntry {
         rev_addr: *client,
         rev_port: client_port,
-        flags: CT_MASQUERADE,
+        flags: CT_MASQUERADE | (plain_reply.flags & CT_NODE),
         created_ns: now,
         last_seen_ns: now,
         ..*plain_reply

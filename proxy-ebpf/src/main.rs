@@ -23,6 +23,8 @@ mod parse6;
 #[cfg(target_arch = "bpf")]
 mod reject;
 #[cfg(target_arch = "bpf")]
+mod route;
+#[cfg(target_arch = "bpf")]
 mod reject6;
 #[cfg(target_arch = "bpf")]
 mod sctp;
@@ -40,17 +42,18 @@ mod program {
         macros::{cgroup_sock_addr, classifier},
         programs::{SockAddrContext, TcContext},
     };
+    use aya_ebpf::bindings::BPF_F_INGRESS;
     use proxy_common::{
-        CT_CLOSING, CT_MASQUERADE, CT_ORIGINAL, CT_REPLY, Counter, IPPROTO_TCP, IPV6_PROG_EGRESS, IPV6_PROG_INGRESS,
-        IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, MASQUERADE_MARK, REVERSE_NAT_MARK, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
-        SVC_SOURCE_RANGES,
+        CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_REPLY, Counter, IPPROTO_TCP, IPV6_PROG_EGRESS, IPV6_PROG_INGRESS,
+        IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, MASQUERADE_MARK, NODE_PROG_EGRESS, REVERSE_NAT_MARK, SCOPE_INTERNAL,
+        SVC_DROP_IF_EMPTY, SVC_MASQUERADE, SVC_SOURCE_RANGES,
     };
 
     use crate::{
         conntrack,
         lb::{self, Miss},
-        maps::{IPV6_PROGRAMS, count},
-        masquerade, nat, nat6, parse, parse6, reject, reject6, skb, sock, trace,
+        maps::{IPV6_PROGRAMS, NODE_PROGRAMS, count},
+        masquerade, nat, nat6, parse, parse6, reject, reject6, route, skb, sock, trace,
     };
 
     /// Leaves the packet to whatever runs next (TCX_NEXT / TC_ACT_UNSPEC).
@@ -109,11 +112,7 @@ mod program {
         };
 
         // A known flow: one lookup finds its translation in either direction.
-        // A SYN after the old connection's FIN or RST opens a new one; any
-        // other SYN is a retransmission and must reach the same backend.
-        let reopens = |ct: &&mut proxy_common::CtEntry| ct.direction == CT_ORIGINAL && ct.flags & CT_CLOSING != 0 && pkt.opens_connection();
-        let known = conntrack::lookup_mut(&pkt.tuple).filter(|ct| !reopens(ct));
-        if let Some(ct) = known {
+        if let Some(ct) = conntrack::lookup_flow(&pkt) {
             trace::record::<TRACE>(ct.service_id, ct.backend_id, trace::FROM_CONNTRACK);
             let direction = ct.direction;
             match direction {
@@ -125,6 +124,13 @@ mod program {
                     if ct.flags & CT_MASQUERADE != 0 {
                         // Addressed to the SNAT address and port: back to the client.
                         done = nat::rewrite_dst(ctx, &pkt, &ct.rev_addr, ct.rev_port);
+                    }
+                    if ct.flags & CT_NODE != 0 {
+                        // To a node socket: delivered locally, no egress
+                        // follows, so the source becomes the frontend here.
+                        let (addr, port) = (ct.nat_addr, ct.nat_port);
+                        let done = done.and_then(|()| nat::rewrite_src(ctx, &pkt, &addr, port));
+                        return verdict::<TRACE>(done, Counter::Reply);
                     }
                     // The source becomes the frontend at egress, after routing.
                     set_mark(ctx, REVERSE_NAT_MARK);
@@ -145,14 +151,29 @@ mod program {
             }
         }
 
-        let scope = lb::scope_of(&pkt.tuple.src);
+        new_flow::<TRACE, V6, false>(ctx, &pkt)
+    }
+
+    /// The first packet of a flow, or one whose backend went away: the
+    /// frontend's verdict, and for a new flow the backend chosen, recorded
+    /// and written into the packet. `NODE`: a node socket's packet met at
+    /// egress (in-cluster scope, as kube-proxy treats the node; always
+    /// masqueraded, as its OUTPUT chain marks node traffic; a REJECT goes
+    /// back into the node's own stack).
+    #[inline(always)]
+    fn new_flow<const TRACE: bool, const V6: bool, const NODE: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
+        let scope = if NODE { SCOPE_INTERNAL } else { lb::scope_of(&pkt.tuple.src) };
         let service = match lb::lookup_frontend(&pkt.tuple, scope) {
             Ok(service) => service,
             Err(Miss::NotOurs) => {
-                note::<TRACE>(Counter::Passed);
+                // Ingress counts what it passes; a node's own packets are not
+                // counted twice.
+                if !NODE {
+                    note::<TRACE>(Counter::Passed);
+                }
                 return NOT_OURS;
             }
-            Err(Miss::Reject) => return reject_packet::<TRACE, V6>(ctx, &pkt),
+            Err(Miss::Reject) => return reject_packet::<TRACE, V6, NODE>(ctx, pkt),
             Err(Miss::DropUnallocated) => {
                 note::<TRACE>(Counter::DropUnallocated);
                 return DROP;
@@ -170,26 +191,29 @@ mod program {
                 return DROP;
             }
             note::<TRACE>(Counter::NoBackend);
-            return reject_packet::<TRACE, V6>(ctx, &pkt);
+            return reject_packet::<TRACE, V6, NODE>(ctx, pkt);
         };
         if sticky {
             note::<TRACE>(Counter::AffinityHit);
         }
         // Hairpin: a pod reaching itself through its Service must see the
         // node as the source, or its reply would skip the reverse NAT.
-        let masquerade = service.flags & SVC_MASQUERADE != 0 || backend.addr == pkt.tuple.src;
+        let masquerade = NODE || service.flags & SVC_MASQUERADE != 0 || backend.addr == pkt.tuple.src;
         trace::record::<TRACE>(service.service_id, backend_id, scope as u32);
         if !TRACE {
-            let ct_flags = if masquerade { CT_MASQUERADE } else { 0 };
+            let ct_flags = if masquerade { CT_MASQUERADE } else { 0 } | if NODE { CT_NODE } else { 0 };
             if conntrack::create(&pkt.tuple, &service, backend_id, &backend, ct_flags, epoch).is_err() {
                 count(Counter::CtFull);
             }
+        }
+        if NODE {
+            note::<TRACE>(Counter::NodeEgress);
         }
         if masquerade {
             note::<TRACE>(Counter::Masqueraded);
             set_mark(ctx, MASQUERADE_MARK);
         }
-        verdict::<TRACE>(nat::rewrite_dst(ctx, &pkt, &backend.addr, backend.port), Counter::NewFlow)
+        verdict::<TRACE>(nat::rewrite_dst(ctx, pkt, &backend.addr, backend.port), Counter::NewFlow)
     }
 
     /// Counts, or in a trace notes the counter in the result.
@@ -234,13 +258,25 @@ mod program {
     fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
         let mark = crate::skb::mark(ctx);
         if mark & (MASQUERADE_MARK | REVERSE_NAT_MARK) == 0 {
+            if !skb::from_local_socket(ctx) {
+                return NOT_OURS;
+            }
+            let armed = masquerade::node_flows_armed();
+            if !V6 && skb::is_ipv6(ctx) {
+                return if armed { to_ipv6::<false>(ctx, IPV6_PROG_EGRESS) } else { NOT_OURS };
+            }
             // A node socket's own connection: translated only if it met a
             // masqueraded flow's tuple (see masquerade::node_source_for).
-            if skb::from_local_socket(ctx) && masquerade::node_flows_armed() {
-                if !V6 && skb::is_ipv6(ctx) {
-                    return to_ipv6::<false>(ctx, IPV6_PROG_EGRESS);
+            if armed {
+                let done = node_flow::<V6>(ctx);
+                if done != NOT_OURS {
+                    return done;
                 }
-                return node_flow::<V6>(ctx);
+            }
+            // An IPv4 one to a frontend no socket hook translated:
+            // tc_egress_node, with a stack of its own.
+            if !V6 {
+                let _ = unsafe { NODE_PROGRAMS.tail_call(ctx, NODE_PROG_EGRESS) };
             }
             return NOT_OURS;
         }
@@ -271,6 +307,50 @@ mod program {
                 DROP
             }
         }
+    }
+
+    /// A node socket's IPv4 packet, from `tc_egress` by tail call: see
+    /// `node_to_service`.
+    #[classifier]
+    pub fn tc_egress_node(ctx: TcContext) -> i32 {
+        node_to_service(&ctx).unwrap_or(NOT_OURS)
+    }
+
+    /// The node's own packet to a frontend, which no socket hook pointed at
+    /// a backend: a raw socket's, one of a process outside --cgroup-root,
+    /// or SCTP's (the hooks never see its connect). Translated as kube-proxy's
+    /// OUTPUT chain translates it, then sent on towards the backend, whose
+    /// interface's egress masquerades it. None: not such a packet.
+    #[inline(always)]
+    fn node_to_service(ctx: &TcContext) -> Option<i32> {
+        let pkt = parse::parse(ctx).ok()?;
+        let mut known = None;
+        if let Some(ct) = conntrack::lookup_flow(&pkt) {
+            // Another flow's entry (a forwarded client's reply tuple): not ours.
+            if ct.flags & CT_NODE == 0 || ct.direction != CT_ORIGINAL {
+                return None;
+            }
+            if lb::backend_still_matches(ct, true) {
+                conntrack::touch(ct, pkt.closes_connection());
+                known = Some((ct.nat_addr, ct.nat_port));
+            }
+        }
+        let verdict = match known {
+            Some((addr, port)) => {
+                set_mark(ctx, MASQUERADE_MARK);
+                verdict::<false>(nat::rewrite_dst(ctx, &pkt, &addr, port), Counter::Established)
+            }
+            // New, or its backend went away.
+            None => new_flow::<false, false, true>(ctx, &pkt),
+        };
+        if verdict != TC_ACT_OK as i32 {
+            // Not a frontend (left to the kernel), or dropped or rejected.
+            return (verdict != NOT_OURS).then_some(verdict);
+        }
+        Some(route::to_destination(ctx, pkt.l3_off, pkt.proto).unwrap_or_else(|counter| {
+            count(counter);
+            DROP
+        }))
     }
 
     #[inline(always)]
@@ -337,12 +417,13 @@ mod program {
     }
 
     #[inline(always)]
-    fn reject_packet<const TRACE: bool, const V6: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
+    fn reject_packet<const TRACE: bool, const V6: bool, const NODE: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
         if pkt.tcp_flags & parse::TCP_RST != 0 {
             note::<TRACE>(Counter::RejectSuppressed);
             return DROP;
         }
-        let rejected = if V6 { reject6::reject(ctx, pkt) } else { reject::reject(ctx, pkt) };
+        let to = if NODE { BPF_F_INGRESS as u64 } else { 0 };
+        let rejected = if V6 { reject6::reject(ctx, pkt) } else { reject::reject(ctx, pkt, to) };
         match rejected {
             Ok(redirect) => {
                 note::<TRACE>(Counter::Rejected);

@@ -64,6 +64,10 @@ pub static AFFINITY: LruHashMap<AffinityKey, AffinityEntry> = LruHashMap::pinned
 #[map]
 pub static SCRATCH: PerCpuArray<[u8; crate::reject::OUT_LEN]> = PerCpuArray::with_max_entries(1, 0);
 
+/// A FIB lookup's parameters, off the stack (see route.rs); per CPU.
+#[map]
+pub static FIB_SCRATCH: PerCpuArray<aya_ebpf::bindings::bpf_fib_lookup> = PerCpuArray::with_max_entries(1, 0);
+
 /// The same for IPv6 rejects, whose frames are larger.
 #[map]
 pub static SCRATCH6: PerCpuArray<[u8; crate::reject6::OUT_LEN]> = PerCpuArray::with_max_entries(1, 0);
@@ -86,6 +90,10 @@ pub static SERVICE_NAMES: HashMap<u32, ServiceName> =
 /// that filled it exits, and the pinned TC links outlive the agent.
 #[map]
 pub static IPV6_PROGRAMS: ProgramArray = ProgramArray::pinned(IPV6_PROG_COUNT, 0);
+
+/// `tc_egress_node` (slot NODE_PROG_EGRESS), pinned like IPV6_PROGRAMS.
+#[map]
+pub static NODE_PROGRAMS: ProgramArray = ProgramArray::pinned(NODE_PROG_COUNT, 0);
 
 #[map]
 pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::pinned(MAX_COUNTERS, 0);

@@ -45,8 +45,11 @@ const TCP_CSUM_OFF: usize = ETH_HLEN + IPV4_HLEN + 16;
 /// sizes keep the verifier simple): the caller drops those. Not inlined, and
 /// built in a per-CPU scratch buffer: the BPF stack (512 bytes for all
 /// frames) is already used by the lookup path.
+/// `redirect_flags`: 0 sends the reject back out of the interface, as to a
+/// client behind it; BPF_F_INGRESS hands it to the node's own stack, for a
+/// node socket's packet met at egress.
 #[inline(never)]
-pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<i32, i64> {
+pub fn reject(ctx: &TcContext, pkt: &Packet, redirect_flags: u64) -> Result<i32, i64> {
     if pkt.l3_off != ETH_HLEN || pkt.l4_off - pkt.l3_off != IPV4_HLEN {
         return Err(-1);
     }
@@ -85,7 +88,7 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<i32, i64> {
         ctx.store(0, &*buf, 0)?;
     }
     let ifindex = crate::skb::ifindex(ctx);
-    Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
+    Ok(unsafe { bpf_redirect(ifindex, redirect_flags) } as i32)
 }
 
 /// The reset, its TCP header loaded where the segment's was (map memory, not

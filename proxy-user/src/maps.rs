@@ -34,24 +34,27 @@ pub const TC_TRACE: &str = "tc_trace";
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 /// Every map the agent pins, by name.
-pub const PINNED_MAPS: [&str; 17] = [
+pub const PINNED_MAPS: [&str; 18] = [
     MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS, MAP_SNAT,
     MAP_SNAT_ADDRS, MAP_CLUSTER_CIDRS, MAP_SERVICE_CIDRS, MAP_SOURCE_RANGES, MAP_AFFINITY, MAP_SOCK_REVNAT,
-    MAP_BACKENDS_EPOCH, MAP_IPV6_PROGRAMS, MAP_NODE_SNAT, MAP_HOST_NETNS,
+    MAP_BACKENDS_EPOCH, MAP_IPV6_PROGRAMS, MAP_NODE_SNAT, MAP_HOST_NETNS, MAP_NODE_PROGRAMS,
 ];
 
-/// Each TC program's IPv6 counterparts and their slots in the IPv6 program
-/// array: the IPv4 program hands IPv6 frames over by tail call (and egress's
-/// IPv6 program hands masqueraded flows on to a third).
-const IPV6_COUNTERPARTS: [(&str, &str, u32); 4] = [
-    (TC_INGRESS, "tc_ingress6", IPV6_PROG_INGRESS),
-    (TC_EGRESS, "tc_egress6", IPV6_PROG_EGRESS),
-    (TC_EGRESS, "tc_masquerade6", IPV6_PROG_MASQUERADE),
-    (TC_TRACE, "tc_trace6", IPV6_PROG_TRACE),
+/// The programs each TC program hands packets to by tail call, with the
+/// program array and slot they go in: the IPv4 programs hand IPv6 frames to
+/// their IPv6 counterparts (and egress's IPv6 program hands masqueraded
+/// flows on to a third); egress hands node sockets' IPv4 packets to
+/// `tc_egress_node`.
+const TAIL_CALLED: [(&str, &str, &str, u32); 5] = [
+    (TC_INGRESS, "tc_ingress6", MAP_IPV6_PROGRAMS, IPV6_PROG_INGRESS),
+    (TC_EGRESS, "tc_egress6", MAP_IPV6_PROGRAMS, IPV6_PROG_EGRESS),
+    (TC_EGRESS, "tc_masquerade6", MAP_IPV6_PROGRAMS, IPV6_PROG_MASQUERADE),
+    (TC_EGRESS, "tc_egress_node", MAP_NODE_PROGRAMS, NODE_PROG_EGRESS),
+    (TC_TRACE, "tc_trace6", MAP_IPV6_PROGRAMS, IPV6_PROG_TRACE),
 ];
 
-/// Loads the TC program `name` (through the verifier) and its IPv6
-/// counterpart, which it installs in the program array `name` tail-calls.
+/// Loads the TC program `name` (through the verifier) and the programs it
+/// tail-calls, which it installs in their program arrays.
 pub fn load_tc(ebpf: &mut Ebpf, name: &str) -> Result<()> {
     let load = |ebpf: &mut Ebpf, name: &str| -> Result<ProgramFd> {
         let prog: &mut SchedClassifier =
@@ -60,12 +63,12 @@ pub fn load_tc(ebpf: &mut Ebpf, name: &str) -> Result<()> {
         Ok(prog.fd()?.try_clone()?)
     };
     load(ebpf, name)?;
-    anyhow::ensure!(IPV6_COUNTERPARTS.iter().any(|(n, _, _)| *n == name), "{name}: not a TC program");
-    for (_, v6_name, slot) in IPV6_COUNTERPARTS.iter().filter(|(n, _, _)| *n == name) {
-        let v6 = load(ebpf, v6_name)?;
-        let map = ebpf.map_mut(MAP_IPV6_PROGRAMS).context("map IPV6_PROGRAMS missing from the BPF object")?;
+    anyhow::ensure!(TAIL_CALLED.iter().any(|(n, ..)| *n == name), "{name}: not a TC program");
+    for (_, called, map_name, slot) in TAIL_CALLED.iter().filter(|(n, ..)| *n == name) {
+        let program = load(ebpf, called)?;
+        let map = ebpf.map_mut(map_name).with_context(|| format!("map {map_name} missing from the BPF object"))?;
         let mut programs: ProgramArray<&mut MapData> = map.try_into()?;
-        programs.set(*slot, &v6, 0).with_context(|| format!("installing {v6_name} in {MAP_IPV6_PROGRAMS}"))?;
+        programs.set(*slot, &program, 0).with_context(|| format!("installing {called} in {map_name}"))?;
     }
     Ok(())
 }

@@ -1,12 +1,12 @@
 //! Real SCTP associations, made by the kernel's SCTP stack: INIT to
 //! SHUTDOWN with data both ways, through a ClusterIP and a NodePort whose
 //! port differs from the targetPort (so every packet's CRC32c is patched),
-//! from a pod and from another host (a node outside this one, masqueraded),
-//! with checksum offload on and then off on every interface involved.
-//!
-//! Not from a process on the node: SCTP's connect() does not run the cgroup
-//! connect hooks (the kernel calls them from TCP's and UDP's paths only), so
-//! a node's SCTP socket to a ClusterIP leaves untranslated; see docs/sctp.md.
+//! from a pod, from another host (a node outside this one, masqueraded) and
+//! from a process on the node, with checksum offload on and then off on
+//! every interface involved. SCTP's connect() runs no cgroup hook (the
+//! kernel calls them from TCP's and UDP's paths only): the node's INIT is
+//! translated at TC egress of the interface its route to the ClusterIP
+//! picked; see docs/sctp.md.
 //!
 //! It needs the sctp module. The development machines' kernel has none (the
 //! crafted-packet tests in sctp.rs stand in there): without it the test says
@@ -74,6 +74,8 @@ fn sctp_associations_through_cluster_ip_and_node_port() -> Result<()> {
     let client = node.add_pod("client", CLIENT_IP)?;
     let backend = node.add_pod("backend", BACKEND_IP)?;
     let ext = node.add_external("ext", NODE_IP, &[EXTERNAL], &[])?;
+    // The node's route to the ClusterIP (as a real node's default route).
+    node.ns.ip(&["route", "add", "default", "via", &EXTERNAL.to_string()])?;
     let _echo = EchoServer::start_sctp(&backend.ns, "backend", TARGET)?;
 
     let bpffs = Bpffs::new("sctpk")?;
@@ -87,13 +89,15 @@ fn sctp_associations_through_cluster_ip_and_node_port() -> Result<()> {
     let netprobe = Path::new(env!("CARGO_BIN_EXE_netprobe"));
     let from_pod = || client.ns.command(netprobe.to_str().unwrap());
     let from_other_node = || ext.ns.command(netprobe.to_str().unwrap());
+    let from_node = || node.ns.command(netprobe.to_str().unwrap());
     let cluster_ip = format!("{CLUSTER_IP}:{PORT}");
     let node_port = format!("{NODE_IP}:{NODE_PORT}");
     // (who, client, frontend dialled, source the backend must see; None: any node address)
-    let cases: [(&str, &dyn Fn() -> std::process::Command, &str, Option<Ipv4Addr>); 3] = [
+    let cases: [(&str, &dyn Fn() -> std::process::Command, &str, Option<Ipv4Addr>); 4] = [
         ("pod to ClusterIP", &from_pod, &cluster_ip, Some(CLIENT_IP)),
         ("pod to NodePort", &from_pod, &node_port, None),
         ("another node to NodePort", &from_other_node, &node_port, Some(NODE_IP)),
+        ("a process on the node to ClusterIP", &from_node, &cluster_ip, None),
     ];
     for offload in [true, false] {
         for (ns, ifname) in [

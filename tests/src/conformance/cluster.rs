@@ -108,6 +108,8 @@ pub struct Cluster {
     bpffs: Vec<Bpffs>,
     /// One per agent, in the agents' order: test-node's first.
     cgroups: Vec<Cgroup>,
+    /// Beside the hooked root: a node process no socket hook sees.
+    outside: Option<Cgroup>,
     pub manifests: tempfile::TempDir,
     /// Agent flags left out because this agent build does not know them.
     pub unsupported_flags: Vec<String>,
@@ -252,6 +254,7 @@ impl Cluster {
             _lan: lan,
             bpffs: Vec::new(),
             cgroups: Vec::new(),
+            outside: None,
             manifests: tempfile::tempdir()?,
             unsupported_flags: Vec::new(),
         })
@@ -282,6 +285,7 @@ impl Cluster {
             self.cgroups.push(Cgroup::new(&format!("conf-{name}"))?);
             self.agents.push(Agent::start_as(ns, name, self.manifests.path(), &root, &node_args)?);
         }
+        self.outside = Some(Cgroup::outside("conf")?);
         for (agent, ns) in self.agents.iter_mut().zip([&self.test_node.ns, &self.node2.ns]) {
             agent.wait_healthy(ns, HEALTHY)?;
         }
@@ -327,6 +331,12 @@ impl Cluster {
     /// The cgroup of test-node's processes.
     pub fn test_node_cgroup(&self) -> Option<&Cgroup> {
         self.cgroups.first()
+    }
+
+    /// A cgroup outside the agents' `--cgroup-root`, for a node process
+    /// that no socket hook sees.
+    pub fn outside_cgroup(&self) -> Option<&Cgroup> {
+        self.outside.as_ref()
     }
 
     /// `dump services -o json` of the agent on test-node.

@@ -66,7 +66,9 @@ pub fn expected(objects: &[Value], node_port_addresses: Option<&[String]>) -> BT
         let same_family = |s: &Value| s.as_str().and_then(|s| s.trim().parse::<IpAddr>().ok()).filter(|ip| ip.is_ipv4() == cluster_ip.is_ipv4());
         let external_ips: Vec<IpAddr> = spec["externalIPs"].as_sequence().into_iter().flatten().filter_map(same_family).collect();
         let lb_ips: Vec<IpAddr> = if kind == "LoadBalancer" {
-            svc["status"]["loadBalancer"]["ingress"].as_sequence().into_iter().flatten().filter_map(|i| same_family(&i["ip"])).collect()
+            // ipMode Proxy: the load balancer proxies, so no frontend (KEP-1860).
+            let vip = |i: &&Value| i["ipMode"].as_str() != Some("Proxy");
+            svc["status"]["loadBalancer"]["ingress"].as_sequence().into_iter().flatten().filter(vip).filter_map(|i| same_family(&i["ip"])).collect()
         } else {
             Vec::new()
         };
@@ -90,6 +92,9 @@ pub fn expected(objects: &[Value], node_port_addresses: Option<&[String]>) -> BT
             }
         }
     }
+    // A ClusterIP is never another Service's ExternalIP or LB IP frontend.
+    let cluster_ips: BTreeSet<String> = want.iter().filter(|(kind, _)| kind == "ClusterIP").map(|(_, f)| f.clone()).collect();
+    want.retain(|(kind, f)| kind == "ClusterIP" || kind == "NodePort" || !cluster_ips.contains(f));
     want
 }
 

@@ -292,6 +292,9 @@ fn build(setup: &Setup) -> Result<Cluster> {
     Ok(cluster)
 }
 
+/// In a node case's name: its process runs outside the hooked cgroup root.
+const OUTSIDE_THE_HOOKS: &str = "outside the cgroup root";
+
 fn run_case(cluster: &Cluster, case: &Case, netprobe: &Path) -> (Status, String) {
     let expect: Expect = match case.expect() {
         Ok(e) => e,
@@ -309,7 +312,10 @@ fn run_case(cluster: &Cluster, case: &Case, netprobe: &Path) -> (Status, String)
     let dest = SocketAddr::new(case.dest_ip, case.dest_port);
     // A node's own address is what masquerading would produce: not observable.
     let masq_observable = origin != Origin::Node;
-    let node_cgroup = cluster.test_node_cgroup().filter(|_| !masq_observable);
+    // A case named "... outside the cgroup root ..." runs its node process
+    // where no socket hook sees it: TC egress must translate it instead.
+    let node_cgroup = if case.name.contains(OUTSIDE_THE_HOOKS) { cluster.outside_cgroup() } else { cluster.test_node_cgroup() };
+    let node_cgroup = node_cgroup.filter(|_| !masq_observable);
     let pods = cluster.pod_namespaces();
     let send = || match node_cgroup {
         // No SCTP module here: crafted packets, seen arriving at the pods.

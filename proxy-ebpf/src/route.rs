@@ -1,0 +1,58 @@
+//! Forwarding a node packet translated at TC egress. Routing chose its
+//! interface for the frontend before the translation; the backend may be
+//! behind another one (a pod's veth, a second uplink). The FIB says which,
+//! and the packet is redirected there, where egress runs again (and
+//! masquerades it to that interface's address, as kube-proxy's POSTROUTING
+//! does after its OUTPUT chain's DNAT).
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup},
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    programs::TcContext,
+};
+use proxy_common::Counter;
+
+use crate::{maps::FIB_SCRATCH, parse};
+
+const AF_INET: u8 = 2;
+const IP_SRC_OFF: usize = 12;
+const IP_DST_OFF: usize = 16;
+const ETH_ALEN: usize = 6;
+
+/// Redirects the IPv4 packet at `l3_off` to the interface the FIB routes its
+/// (already translated) destination through. `Err` with the counter to note
+/// when there is no such route to forward on: a backend on the node itself,
+/// or forwarding disabled.
+#[inline(always)]
+pub fn to_destination(ctx: &TcContext, l3_off: usize, proto: u8) -> Result<i32, Counter> {
+    let src: u32 = parse::read(ctx, l3_off + IP_SRC_OFF).ok_or(Counter::Malformed)?;
+    let dst: u32 = parse::read(ctx, l3_off + IP_DST_OFF).ok_or(Counter::Malformed)?;
+    // In map memory: the node program's stack is nearly full.
+    let fib = unsafe { &mut *FIB_SCRATCH.get_ptr_mut(0).ok_or(Counter::NodeRouteFailed)? };
+    // SAFETY: plain data; zero is a valid value of every field.
+    *fib = unsafe { core::mem::zeroed() };
+    fib.family = AF_INET;
+    fib.l4_protocol = proto;
+    fib.ifindex = crate::skb::ifindex(ctx);
+    fib.__bindgen_anon_3.ipv4_src = src;
+    fib.__bindgen_anon_4.ipv4_dst = dst;
+    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
+    // A lookup as for a packet arriving on this interface (the output
+    // variant would bind the route to it).
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), fib, size, 0) } as u32;
+    let ifindex = fib.ifindex;
+    match rc {
+        BPF_FIB_LKUP_RET_SUCCESS => {
+            // SAFETY: the lookup filled the MAC addresses.
+            let macs = unsafe { fib.__bindgen_anon_6.__bindgen_anon_2 };
+            ctx.store(0, &macs.dmac, 0).map_err(|_| Counter::RewriteFailed)?;
+            ctx.store(ETH_ALEN, &macs.smac, 0).map_err(|_| Counter::RewriteFailed)?;
+            Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
+        }
+        // The neighbour is not resolved yet: the kernel resolves it and
+        // fills the MAC addresses (Linux 5.10).
+        BPF_FIB_LKUP_RET_NO_NEIGH => Ok(unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) } as i32),
+        _ => Err(Counter::NodeRouteFailed),
+    }
+}
