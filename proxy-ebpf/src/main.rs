@@ -42,10 +42,10 @@ mod program {
         macros::{cgroup_sock_addr, classifier},
         programs::{SockAddrContext, TcContext},
     };
-    use aya_ebpf::bindings::BPF_F_INGRESS;
+    use aya_ebpf::{bindings::BPF_F_INGRESS, helpers::bpf_redirect};
     use proxy_common::{
         CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_REPLY, Counter, IPPROTO_TCP, IPV6_PROG_EGRESS, IPV6_PROG_INGRESS,
-        IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, MASQUERADE_MARK, NODE_PROG_EGRESS, REVERSE_NAT_MARK, SCOPE_INTERNAL,
+        IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, MASQUERADE_MARK, NODE_PROG_EGRESS, NODE_PROG_INGRESS_REPLY, REVERSE_NAT_MARK, SCOPE_INTERNAL,
         SVC_DROP_IF_EMPTY, SVC_MASQUERADE, SVC_SOURCE_RANGES,
     };
 
@@ -120,17 +120,16 @@ mod program {
                     if !TRACE {
                         conntrack::touch(ct, pkt.closes_connection());
                     }
+                    if !V6 && !TRACE && ct.flags & CT_NODE != 0 {
+                        // To a node socket: tc_ingress_node_reply.
+                        let _ = unsafe { NODE_PROGRAMS.tail_call(ctx, NODE_PROG_INGRESS_REPLY) };
+                        note::<TRACE>(Counter::RewriteFailed);
+                        return DROP;
+                    }
                     let mut done = Ok(());
                     if ct.flags & CT_MASQUERADE != 0 {
                         // Addressed to the SNAT address and port: back to the client.
                         done = nat::rewrite_dst(ctx, &pkt, &ct.rev_addr, ct.rev_port);
-                    }
-                    if ct.flags & CT_NODE != 0 {
-                        // To a node socket: delivered locally, no egress
-                        // follows, so the source becomes the frontend here.
-                        let (addr, port) = (ct.nat_addr, ct.nat_port);
-                        let done = done.and_then(|()| nat::rewrite_src(ctx, &pkt, &addr, port));
-                        return verdict::<TRACE>(done, Counter::Reply);
                     }
                     // The source becomes the frontend at egress, after routing.
                     set_mark(ctx, REVERSE_NAT_MARK);
@@ -309,6 +308,27 @@ mod program {
         }
     }
 
+    /// A reply to a node socket's flow that egress translated (CT_NODE), from
+    /// `tc_ingress` by tail call. It is delivered locally and no egress runs
+    /// after, so its destination (if masqueraded) and its source (back to
+    /// the frontend) are both restored here. A program of its own: inline,
+    /// it would grow tc_ingress's stack frame past what older verifiers
+    /// accept beside the reject subprogram (Linux 6.1: 256 bytes).
+    #[classifier]
+    pub fn tc_ingress_node_reply(ctx: TcContext) -> i32 {
+        let Ok(pkt) = parse::parse(&ctx) else { return NOT_OURS };
+        let Some(ct) = conntrack::lookup(&pkt.tuple).filter(|ct| ct.direction == CT_REPLY && ct.flags & CT_NODE != 0) else {
+            return NOT_OURS;
+        };
+        let ct = *ct;
+        let mut done = Ok(());
+        if ct.flags & CT_MASQUERADE != 0 {
+            done = nat::rewrite_dst(&ctx, &pkt, &ct.rev_addr, ct.rev_port);
+        }
+        let done = done.and_then(|()| nat::rewrite_src(&ctx, &pkt, &ct.nat_addr, ct.nat_port));
+        verdict::<false>(done, Counter::Reply)
+    }
+
     /// A node socket's IPv4 packet, from `tc_egress` by tail call: see
     /// `node_to_service`.
     #[classifier]
@@ -422,12 +442,14 @@ mod program {
             note::<TRACE>(Counter::RejectSuppressed);
             return DROP;
         }
-        let to = if NODE { BPF_F_INGRESS as u64 } else { 0 };
-        let rejected = if V6 { reject6::reject(ctx, pkt) } else { reject::reject(ctx, pkt, to) };
+        let rejected = if V6 { reject6::reject(ctx, pkt) } else { reject::reject(ctx, pkt) };
         match rejected {
-            Ok(redirect) => {
+            Ok(()) => {
                 note::<TRACE>(Counter::Rejected);
-                redirect
+                // Back out of the interface, to a client behind it; for a node
+                // socket's packet met at egress, into the node's own stack.
+                let flags = if NODE { BPF_F_INGRESS as u64 } else { 0 };
+                unsafe { bpf_redirect(skb::ifindex(ctx), flags) as i32 }
             }
             Err(_) => {
                 note::<TRACE>(Counter::RejectFailed);

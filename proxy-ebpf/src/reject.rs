@@ -14,7 +14,7 @@
 
 use aya_ebpf::{
     EbpfContext,
-    helpers::{bpf_redirect, bpf_skb_load_bytes},
+    helpers::bpf_skb_load_bytes,
     programs::TcContext,
 };
 use proxy_common::IPPROTO_TCP;
@@ -40,16 +40,14 @@ const ICMP_PORT_UNREACH: u8 = 3;
 const IPPROTO_ICMP: u8 = 1;
 const TCP_CSUM_OFF: usize = ETH_HLEN + IPV4_HLEN + 16;
 
-/// Rewrites the packet into the reject and redirects it; the caller returns
-/// the redirect verdict. Packets with IP options are not handled (fixed
+/// Rewrites the packet into the reject; the caller redirects it (and keeps
+/// this subprogram's stack frame small: older verifiers sum every frame of
+/// a call chain, rounded up to 32 bytes, against 512). Packets with IP options are not handled (fixed
 /// sizes keep the verifier simple): the caller drops those. Not inlined, and
 /// built in a per-CPU scratch buffer: the BPF stack (512 bytes for all
 /// frames) is already used by the lookup path.
-/// `redirect_flags`: 0 sends the reject back out of the interface, as to a
-/// client behind it; BPF_F_INGRESS hands it to the node's own stack, for a
-/// node socket's packet met at egress.
 #[inline(never)]
-pub fn reject(ctx: &TcContext, pkt: &Packet, redirect_flags: u64) -> Result<i32, i64> {
+pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<(), i64> {
     if pkt.l3_off != ETH_HLEN || pkt.l4_off - pkt.l3_off != IPV4_HLEN {
         return Err(-1);
     }
@@ -87,8 +85,7 @@ pub fn reject(ctx: &TcContext, pkt: &Packet, redirect_flags: u64) -> Result<i32,
         ctx.change_tail(len as u32, 0)?;
         ctx.store(0, &*buf, 0)?;
     }
-    let ifindex = crate::skb::ifindex(ctx);
-    Ok(unsafe { bpf_redirect(ifindex, redirect_flags) } as i32)
+    Ok(())
 }
 
 /// The reset, its TCP header loaded where the segment's was (map memory, not

@@ -10,7 +10,7 @@
 //! receivers ignore: it gets the seed, so completion makes the whole sum
 //! right (ICMPv6, unlike ICMP, covers a pseudo-header).
 
-use aya_ebpf::{helpers::bpf_redirect, programs::TcContext};
+use aya_ebpf::programs::TcContext;
 use proxy_common::IPPROTO_TCP;
 
 use crate::{
@@ -37,13 +37,12 @@ const IPPROTO_ICMPV6: u8 = 58;
 const TCP_CSUM_OFF: usize = L4 + 16;
 const UDP_CSUM_OFF: usize = L4 + 6;
 
-/// Rewrites the packet into the reject and redirects it; the caller returns
-/// the redirect verdict. Only a packet without extension headers gets here
+/// Rewrites the packet into the reject; the caller redirects it. Only a packet without extension headers gets here
 /// (parse6 leaves the others alone). Everything is loaded straight into the
 /// per-CPU scratch frame: the lookup path leaves little of the 512-byte
 /// stack, and an IPv6 header is 40 bytes.
 #[inline(always)]
-pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<i32, i64> {
+pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<(), i64> {
     if pkt.l3_off != ETH_HLEN || pkt.l4_off != L4 {
         return Err(-1);
     }
@@ -96,6 +95,5 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<i32, i64> {
         }
         ctx.store(0, &*buf, 0)?;
     }
-    let ifindex = crate::skb::ifindex(ctx);
-    Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
+    Ok(())
 }

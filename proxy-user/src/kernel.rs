@@ -63,9 +63,14 @@ pub fn rejected(program: &str, e: &ProgramError) -> anyhow::Error {
         ProgramError::LoadError { io_error, verifier_log } => {
             tracing::debug!(program, "verifier log:\n{verifier_log}");
             let log = verifier_log.to_string();
-            let mut tail: Vec<&str> = log.lines().rev().filter(|l| !l.trim().is_empty()).take(3).collect();
+            // The complaint comes before the closing statistics lines.
+            let stats = ["verification time", "stack depth", "processed "];
+            let is_stat = |l: &&str| stats.iter().any(|s| l.trim_start().starts_with(s));
+            let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+            let mut tail: Vec<&str> = lines.iter().rev().filter(|l| !is_stat(l)).take(3).copied().collect();
             tail.reverse();
-            format!("{io_error}; verifier: {}", tail.join(" | "))
+            let stats: Vec<&str> = lines.iter().filter(|l| is_stat(l)).copied().collect();
+            format!("{io_error}; verifier: {} ({})", tail.join(" | "), stats.join(" | "))
         }
         e => e.to_string(),
     };

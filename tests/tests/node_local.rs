@@ -26,7 +26,7 @@ use proxy_tests::{
     echo::EchoServer,
     is_root,
     netns::Netns,
-    topology::Node,
+    topology::{External, Node, Pod},
 };
 
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 2);
@@ -65,6 +65,29 @@ fn refused() -> Result<&'static str> {
     Ok(if proxy_user::kernel::probe()?.sock_set_retval { "error=ConnectionRefused" } else { "error=PermissionDenied" })
 }
 
+/// A node with backends b1 and b2 (10.244.0.11-12, TCP 8080 and UDP 5353,
+/// the Service in MANIFESTS) and a LAN host. Field order is drop order.
+struct World {
+    _servers: Vec<EchoServer>,
+    _lan: External,
+    _backends: [Pod; 2],
+    node: Node,
+}
+
+impl World {
+    fn new(label: &str) -> Result<World> {
+        let mut node = Node::new(label)?;
+        let backends = [node.add_pod("b1", Ipv4Addr::new(10, 244, 0, 11))?, node.add_pod("b2", Ipv4Addr::new(10, 244, 0, 12))?];
+        let lan = node.add_external("lan", NODE_IP, &[Ipv4Addr::new(203, 0, 113, 2)], &[])?;
+        let mut servers = Vec::new();
+        for p in &backends {
+            servers.push(EchoServer::start(&p.ns, &p.name, 8080)?);
+            servers.push(EchoServer::start(&p.ns, &p.name, 5353)?);
+        }
+        Ok(World { _servers: servers, _lan: lan, _backends: backends, node })
+    }
+}
+
 /// `netprobe` as a node process: in the node's namespace and in `cg`.
 fn probe(cg: &Cgroup, node: &Netns, proto: &str, to: &str) -> Result<String> {
     probe_from(cg, node, proto, to, None)
@@ -81,15 +104,8 @@ fn probe_from(cg: &Cgroup, node: &Netns, proto: &str, to: &str, source: Option<&
 #[test]
 fn node_processes_reach_services_through_the_socket_hooks() -> Result<()> {
     assert!(is_root(), "needs root (network namespaces, cgroups and BPF)");
-    let mut node = Node::new("nodelocal")?;
-    let b1 = node.add_pod("b1", Ipv4Addr::new(10, 244, 0, 11))?;
-    let b2 = node.add_pod("b2", Ipv4Addr::new(10, 244, 0, 12))?;
-    let _lan = node.add_external("lan", NODE_IP, &[Ipv4Addr::new(203, 0, 113, 2)], &[])?;
-    let mut servers = Vec::new();
-    for p in [&b1, &b2] {
-        servers.push(EchoServer::start(&p.ns, &p.name, 8080)?);
-        servers.push(EchoServer::start(&p.ns, &p.name, 5353)?);
-    }
+    let world = World::new("nodelocal")?;
+    let node = &world.node;
     let cg = Cgroup::new("nodelocal")?;
     let outside_cg = Cgroup::outside("nodelocal")?;
     let bpffs = Bpffs::new("nodelocal")?;
@@ -222,16 +238,9 @@ fn pods_under_the_hooks_are_left_to_tc() -> Result<()> {
 }
 
 fn pods_left_to_tc(how: &str) -> Result<()> {
-    let mut node = Node::new("podhooks")?;
-    let b1 = node.add_pod("b1", Ipv4Addr::new(10, 244, 0, 11))?;
-    let b2 = node.add_pod("b2", Ipv4Addr::new(10, 244, 0, 12))?;
-    let client = node.add_pod("client", Ipv4Addr::new(10, 244, 0, 20))?;
-    let _lan = node.add_external("lan", NODE_IP, &[Ipv4Addr::new(203, 0, 113, 2)], &[])?;
-    let mut servers = Vec::new();
-    for p in [&b1, &b2] {
-        servers.push(EchoServer::start(&p.ns, &p.name, 8080)?);
-        servers.push(EchoServer::start(&p.ns, &p.name, 5353)?);
-    }
+    let mut world = World::new("podhooks")?;
+    let client = world.node.add_pod("client", Ipv4Addr::new(10, 244, 0, 20))?;
+    let node = &world.node;
     let cg = Cgroup::new("podhooks")?;
     let bpffs = Bpffs::new("podhooks")?;
     let root = bpffs.path().join("agent");
