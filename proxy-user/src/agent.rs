@@ -2,9 +2,10 @@
 //! interface watcher and health server beside it. Stopping leaves the
 //! dataplane serving; the next agent adopts it.
 
-use std::{sync::Arc, time::Duration};
+use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
 use anyhow::{Context, Result};
+use ipnet::IpNet;
 use tokio::{
     signal::unix::{SignalKind, signal},
     sync::{oneshot, watch},
@@ -104,6 +105,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         detect_local: !args.cluster_cidr.is_empty(),
         masquerade_all: args.masquerade_all,
         localhost_node_ports: args.localhost_nodeports,
+        service_cidrs: args.service_cidr.clone(),
         ..Default::default()
     };
     let mut syncer = Syncer {
@@ -111,6 +113,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         model: incremental::Model::default(),
         maps_behind: true,
         last_errors: Vec::new(),
+        service_cidrs: None,
         health,
         metrics,
         trigger_times: TriggerTimes::new(chrono::Utc::now()),
@@ -146,7 +149,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 syncer.config.node_addresses = addrs.all();
                 addrs_listed = true;
                 syncer.health.queued_update();
-                if let Err(e) = maps.write_node_config(&addrs.snat_sources(), &args.cluster_cidr, &args.service_cidr) {
+                if let Err(e) = maps.write_node_config(&addrs.snat_sources(), &args.cluster_cidr) {
                     error!("writing node settings to the maps failed: {e:#}");
                 }
                 pending = true;
@@ -181,6 +184,8 @@ struct Syncer {
     /// touched keys (first sync, or the last one failed): sync everything.
     maps_behind: bool,
     last_errors: Vec<ObjectError>,
+    /// The service CIDRs last logged.
+    service_cidrs: Option<BTreeSet<IpNet>>,
     health: Health,
     metrics: Metrics,
     trigger_times: TriggerTimes,
@@ -200,6 +205,11 @@ impl Syncer {
         self.metrics.skipped(&errors, &new);
         self.last_errors = errors;
         let desired = self.model.desired();
+        if self.service_cidrs.as_ref() != Some(&desired.service_cidrs) {
+            let from = if snap.service_cidrs.is_empty() { "--service-cidr" } else { "ServiceCIDR objects" };
+            info!(cidrs = ?desired.service_cidrs, from, "service CIDRs (unallocated addresses in them are dropped)");
+            self.service_cidrs = Some(desired.service_cidrs.clone());
+        }
         let full = !matches!(update, Update::Touched(_)) || self.maps_behind;
         let result = match update {
             Update::Touched(touched) if !self.maps_behind => reconciler.sync_touched(desired, &touched, maps),

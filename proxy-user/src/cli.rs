@@ -95,7 +95,8 @@ pub struct RunArgs {
     /// are masqueraded. Default: only the node's own processes are in-cluster.
     #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR]")]
     pub cluster_cidr: Vec<IpNet>,
-    /// Service CIDRs: traffic to an address here that no Service owns is dropped.
+    /// Service CIDRs: traffic to an address here that no Service owns is
+    /// dropped. The cluster's ServiceCIDR objects replace them where any exist.
     #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR]")]
     pub service_cidr: Vec<IpNet>,
     /// NodePorts open only on node addresses inside these CIDRs. Default: every node address.

@@ -2,7 +2,9 @@
 //! whose objects changed (a Service, or one of its EndpointSlices, is a new
 //! object: sources share unchanged objects between snapshots) are rebuilt,
 //! and the update says which map keys it touched, so the reconciler looks
-//! at those alone. `model::build` is the reference it must always equal.
+//! at those alone. The service CIDRs are a small part apart: recomputed
+//! whole at every update, and compared whole by every sync.
+//! `model::build` is the reference it must always equal.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
@@ -19,6 +21,7 @@ use proxy_common::FrontendKey;
 use crate::{
     model::{self, BackendSetKey, BackendTuple, DesiredState, ModelConfig, ObjectError, ServiceKey},
     precedence::{self, Claim},
+    service_cidrs,
     source::Snapshot,
     topology,
 };
@@ -108,6 +111,8 @@ pub struct Model {
     /// What in a key's objects as a whole was skipped (duplicate Services,
     /// slices without a Service or label).
     key_errors: BTreeMap<u32, Vec<ObjectError>>,
+    /// What in the ServiceCIDRs was skipped.
+    service_cidr_errors: Vec<ObjectError>,
     desired: DesiredState,
     /// How many Services claim each frontend and ClusterIP.
     frontend_claims: HashMap<FrontendKey, u32>,
@@ -129,7 +134,8 @@ impl Model {
     /// What was skipped (the same as `model::build` reports, not in its order).
     pub fn errors(&self) -> Vec<ObjectError> {
         let parts = self.parts.values().flat_map(|p| p.errors.iter());
-        let mut errors: Vec<ObjectError> = self.key_errors.values().flatten().chain(parts).cloned().collect();
+        let mut errors: Vec<ObjectError> =
+            self.key_errors.values().flatten().chain(parts).chain(&self.service_cidr_errors).cloned().collect();
         let mut conflicts = Vec::new();
         for (fk, claimants) in &self.contested {
             let claims: Vec<Claim> = claimants.iter().map(|joined| self.parts[joined].claim(fk)).collect();
@@ -161,6 +167,9 @@ impl Model {
             *self = Model { config: Some((config.clone(), zone.to_string())), ..Default::default() };
             self.keys.push("\0unlabelled".into());
         }
+        let (cidrs, cidr_errors) = service_cidrs::effective(&snapshot.service_cidrs, &config.service_cidrs);
+        self.desired.service_cidrs = cidrs;
+        self.service_cidr_errors = cidr_errors;
         self.generation += 1;
         let generation = self.generation;
         let mut keys: BTreeSet<u32> = BTreeSet::new();
@@ -359,6 +368,8 @@ impl Model {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::networking::v1::ServiceCIDR;
+
     use crate::{
         manifest,
         reconciler::{Contents, Reconciler},
@@ -438,11 +449,22 @@ mod tests {
         })
     }
 
+    /// ServiceCIDR `i` in one of four variants: none, one CIDR, one with a
+    /// bad entry, two families.
+    fn service_cidr(i: usize, variant: usize) -> Option<Arc<ServiceCIDR>> {
+        let cidrs = ["", "[10.96.0.0/16]", "[10.96.0.0/16, bogus]", "['fd00:10:96::/112', 10.97.0.0/16]"][variant];
+        let yaml = format!("apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: cidr{i}}}\nspec: {{cidrs: {cidrs}}}\n");
+        (!cidrs.is_empty()).then(|| match served(&yaml) {
+            Some(manifest::Object::ServiceCIDR(c)) => c,
+            other => unreachable!("{other:?}"),
+        })
+    }
+
     /// Random changes (add, change, remove Services and slices, node
-    /// addresses) applied one by one: after each, the incremental state
-    /// equals a full build, everything that differs from the state before
-    /// is in the touched keys, and maps written with only the touched keys
-    /// hold exactly what a full sync writes (IDs included).
+    /// addresses, ServiceCIDRs) applied one by one: after each, the
+    /// incremental state equals a full build, everything that differs from
+    /// the state before is in the touched keys, and maps written with only
+    /// the touched keys hold exactly what a full sync writes (IDs included).
     #[test]
     fn random_changes_match_a_full_build() {
         let mut rng: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -456,13 +478,20 @@ mod tests {
         // Slot N + i: a second definition of Service i, or a slice of i without its label.
         let mut services: Vec<Option<Arc<Service>>> = vec![None; 2 * N];
         let mut slices: Vec<Option<Arc<EndpointSlice>>> = vec![None; 2 * N];
-        let mut config = ModelConfig { node_name: "node-a".into(), node_addresses: vec!["192.168.0.2".parse().unwrap()], ..Default::default() };
+        let mut cidrs: [Option<Arc<ServiceCIDR>>; 2] = [None, None];
+        let mut config = ModelConfig {
+            node_name: "node-a".into(),
+            node_addresses: vec!["192.168.0.2".parse().unwrap()],
+            service_cidrs: vec!["172.30.0.0/16".parse().unwrap()],
+            ..Default::default()
+        };
         let mut model = Model::default();
         let mut before = DesiredState::default();
         let (mut touched_maps, mut full_maps) = (Contents::default(), Contents::default());
         let (mut by_touched, mut by_full) = (Reconciler::adopt(Contents::default()), Reconciler::adopt(Contents::default()));
         // Which contests the steps went through: (losing kind, winning kind).
         let mut contests: BTreeSet<(String, String)> = BTreeSet::new();
+        let mut service_cidrs_seen: BTreeSet<BTreeSet<ipnet::IpNet>> = BTreeSet::new();
         for step in 0..1500 {
             let i = next(N);
             match next(9) {
@@ -477,10 +506,16 @@ mod tests {
                 4 | 5 => slices[i] = served_slice(&slice(i, next(SLICE_VARIANTS))),
                 _ => config.detect_local = !config.detect_local,
             }
+            // Now and then a ServiceCIDR comes, changes or goes (outside
+            // `next`, so the steps above stay what they were).
+            if step % 37 == 0 {
+                cidrs[step / 37 % 2] = service_cidr(step / 37 % 2, step / 74 % 4);
+            }
             let snap = Snapshot {
                 services: services.iter().flatten().cloned().collect(),
                 slices: slices.iter().flatten().cloned().collect(),
                 node: None,
+                service_cidrs: cidrs.iter().flatten().cloned().collect(),
             };
             let update = model.update(&snap, &config);
             let (want, want_errors) = model::build(&snap, &config);
@@ -502,6 +537,7 @@ mod tests {
                 Update::Everything => by_touched.sync(model.desired(), &mut touched_maps).unwrap(),
             };
             assert_eq!(touched_maps, full_maps, "step {step}");
+            service_cidrs_seen.insert(touched_maps.service_cidrs.clone());
             if let Update::Touched(t) = update {
                 for k in want.frontends.keys().chain(before.frontends.keys()) {
                     let changed = want.frontends.get(k) != before.frontends.get(k);
@@ -521,6 +557,7 @@ mod tests {
             }
             before = want;
         }
+        assert!(service_cidrs_seen.len() >= 4, "ServiceCIDR variants seen: {service_cidrs_seen:?}");
         for (loser, winner) in [("ClusterIP", "ClusterIP"), ("ExternalIP", "ClusterIP"), ("NodePort", "ExternalIP"), ("ExternalIP", "ExternalIP"), ("LoadBalancer", "LoadBalancer")] {
             assert!(contests.contains(&(loser.to_string(), winner.to_string())), "no {loser} lost to a {winner}: {contests:?}");
         }

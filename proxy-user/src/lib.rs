@@ -19,6 +19,7 @@ pub mod node_addrs;
 pub mod precedence;
 pub mod rbac;
 pub mod reconciler;
+pub mod service_cidrs;
 pub mod snat_ports;
 pub mod source;
 pub mod topology;

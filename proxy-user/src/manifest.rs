@@ -3,7 +3,11 @@
 
 use std::{fmt, path::Path, sync::Arc};
 
-use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+    networking::v1::ServiceCIDR,
+};
 use serde::Deserialize;
 
 /// The objects ebpf-proxy reads. Other kinds are ignored (a manifests
@@ -13,6 +17,7 @@ pub enum Object {
     Service(Arc<Service>),
     EndpointSlice(Arc<EndpointSlice>),
     Node(Box<Node>),
+    ServiceCIDR(Arc<ServiceCIDR>),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,6 +51,7 @@ enum Kind {
     Service,
     EndpointSlice,
     Node,
+    ServiceCIDR,
     Other,
 }
 
@@ -71,6 +77,7 @@ fn parse_fast(text: &str) -> Option<Vec<Object>> {
             Kind::Service => objects.push(Object::Service(Arc::new(serde_yaml::from_value(value).ok()?))),
             Kind::EndpointSlice => objects.push(Object::EndpointSlice(Arc::new(serde_yaml::from_value(value).ok()?))),
             Kind::Node => objects.push(Object::Node(Box::new(serde_yaml::from_value(value).ok()?))),
+            Kind::ServiceCIDR => objects.push(Object::ServiceCIDR(Arc::new(serde_yaml::from_value(value).ok()?))),
             Kind::Other => {}
         }
     }
@@ -82,6 +89,7 @@ fn kind_of(api_version: Option<&str>, kind: Option<&str>) -> Result<Kind, String
         (Some("v1"), Some("Service")) => Kind::Service,
         (Some("discovery.k8s.io/v1"), Some("EndpointSlice")) => Kind::EndpointSlice,
         (Some("v1"), Some("Node")) => Kind::Node,
+        (Some("networking.k8s.io/v1"), Some("ServiceCIDR")) => Kind::ServiceCIDR,
         (_, None) => return Err("a document has no `kind`".into()),
         _ => Kind::Other,
     })
@@ -118,6 +126,9 @@ fn parse_reporting(path: &Path, text: &str) -> Result<Vec<Object>, ManifestError
                 objects.push(Object::EndpointSlice(Arc::new(serde_path_to_error::deserialize(doc).map_err(typed)?)))
             }
             Kind::Node => objects.push(Object::Node(Box::new(serde_path_to_error::deserialize(doc).map_err(typed)?))),
+            Kind::ServiceCIDR => {
+                objects.push(Object::ServiceCIDR(Arc::new(serde_path_to_error::deserialize(doc).map_err(typed)?)))
+            }
             Kind::Other => {}
         }
     }
@@ -156,6 +167,19 @@ ports: [{name: http, port: 8080, protocol: TCP}]
         assert_eq!(objs.len(), 2);
         assert!(matches!(&objs[0], Object::Service(s) if s.metadata.name.as_deref() == Some("web")));
         assert!(matches!(&objs[1], Object::EndpointSlice(_)));
+    }
+
+    #[test]
+    fn service_cidrs_are_read_and_other_networking_kinds_skipped() {
+        let yaml = "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n---\n\
+                    apiVersion: networking.k8s.io/v1\nkind: IPAddress\nmetadata: {name: 10.96.0.1}\n";
+        let objs = parse(Path::new("cidrs.yaml"), yaml).unwrap();
+        assert_eq!(objs.len(), 1);
+        let Object::ServiceCIDR(cidr) = &objs[0] else { panic!("{objs:?}") };
+        assert_eq!(cidr.spec.as_ref().and_then(|s| s.cidrs.clone()), Some(vec!["10.96.0.0/16".to_string()]));
+        // A type error names the field, as for the other kinds.
+        let e = parse(Path::new("cidrs.yaml"), "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nspec: {cidrs: 10.96.0.0/16}\n").unwrap_err();
+        assert!(e.reason.starts_with("spec.cidrs"), "{e}");
     }
 
     #[test]

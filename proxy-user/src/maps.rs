@@ -213,14 +213,18 @@ impl Maps {
             let data = k.data();
             c.source_ranges.insert((data.service_id, prefix_of(&data.addr, k.prefix_len() - 32)));
         }
+        for k in self.service_cidrs.keys() {
+            let k = k?;
+            c.service_cidrs.insert(prefix_of(&k.data().addr, k.prefix_len()));
+        }
         Ok(c)
     }
 
     /// Replaces the node-level settings: SNAT source per interface (ifindex
-    /// 0: the default), the cluster CIDRs (none given: no packet's source is
-    /// in-cluster, as kube-proxy without a local-traffic detector) and the
-    /// service CIDRs.
-    pub fn write_node_config(&mut self, snat: &std::collections::BTreeMap<u32, std::net::IpAddr>, cluster: &[IpNet], service: &[IpNet]) -> Result<()> {
+    /// 0: the default) and the cluster CIDRs (none given: no packet's source
+    /// is in-cluster, as kube-proxy without a local-traffic detector). The
+    /// service CIDRs are part of the desired state (`MapWriter`).
+    pub fn write_node_config(&mut self, snat: &std::collections::BTreeMap<u32, std::net::IpAddr>, cluster: &[IpNet]) -> Result<()> {
         let stale: Vec<u32> = self.snat_addrs.keys().filter_map(|k| k.ok()).filter(|k| !snat.contains_key(k)).collect();
         for (ifindex, ip) in snat {
             self.snat_addrs.insert(ifindex, &Addr::from(*ip), 0)?;
@@ -228,8 +232,7 @@ impl Maps {
         for k in stale {
             self.snat_addrs.remove(&k)?;
         }
-        replace_cidrs(&mut self.cluster_cidrs, cluster)?;
-        replace_cidrs(&mut self.service_cidrs, service)
+        replace_cidrs(&mut self.cluster_cidrs, cluster)
     }
 
     /// The next backends epoch (wrapping): see `del_backend`.
@@ -283,6 +286,14 @@ impl MapWriter for Maps {
     fn del_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()> {
         let (len, addr) = lpm_prefix(net);
         Ok(self.source_ranges.remove(&Key::new(32 + len, SourceRangeData { service_id, addr }))?)
+    }
+    fn put_service_cidr(&mut self, net: &IpNet) -> Result<()> {
+        let (len, addr) = lpm_prefix(net);
+        Ok(self.service_cidrs.insert(&Key::new(len, CidrData { addr }), &1, 0)?)
+    }
+    fn del_service_cidr(&mut self, net: &IpNet) -> Result<()> {
+        let (len, addr) = lpm_prefix(net);
+        Ok(self.service_cidrs.remove(&Key::new(len, CidrData { addr }))?)
     }
 }
 

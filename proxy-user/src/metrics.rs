@@ -166,11 +166,14 @@ pub fn classify(e: &ObjectError) -> (&'static str, &'static str) {
         Some("service") => "Service",
         Some("endpointslice") => "EndpointSlice",
         Some("node") => "Node",
+        Some("servicecidr") => "ServiceCIDR",
         _ => "other",
     };
     let r = e.reason.as_str();
     let reason = if r.contains("invalid IP") || r.contains("invalid endpoint address") {
         "invalid_ip"
+    } else if r.contains("invalid CIDR") {
+        "invalid_cidr"
     } else if r.contains("out of range") {
         "port_out_of_range"
     } else if r.contains("unknown protocol") {
@@ -424,6 +427,11 @@ kind: Service
 metadata: {name: grab, namespace: a}
 spec: {clusterIP: 10.96.0.8, externalIPs: [10.96.0.7], ports: [{name: c, port: 82}]}
 status: {loadBalancer: {ingress: [{ip: 192.0.2.1, ipMode: Tunnel}]}}
+---
+apiVersion: networking.k8s.io/v1
+kind: ServiceCIDR
+metadata: {name: kubernetes}
+spec: {cidrs: [10.96.0.0/16, 10.96.0.0]}
 "#;
 
     #[test]
@@ -450,6 +458,8 @@ status: {loadBalancer: {ingress: [{ip: 192.0.2.1, ipMode: Tunnel}]}}
         assert!(line(r#"ebpf_proxy_invalid_objects{kind="EndpointSlice",reason="duplicate"} 1"#).is_some(), "{text}");
         assert!(line(r#"ebpf_proxy_invalid_objects{kind="Service",reason="frontend_conflict"} 1"#).is_some(), "{text}");
         assert!(line(r#"ebpf_proxy_invalid_objects{kind="Service",reason="unknown_ip_mode"} 1"#).is_some(), "{text}");
+        assert!(line(r#"ebpf_proxy_invalid_objects{kind="ServiceCIDR",reason="invalid_cidr"} 1"#).is_some(), "{text}");
+        assert!(line(r#"ebpf_proxy_skipped_objects_total{kind="ServiceCIDR",reason="invalid_cidr"} 1"#).is_some(), "{text}");
         // Without pinned maps, the dataplane figures are absent, not invented.
         assert!(!text.contains("ebpf_proxy_map_entries"), "{text}");
     }

@@ -1,6 +1,7 @@
-//! The policy: a pure function from Services, EndpointSlices and the node to
-//! the frontends and backend sets the datapath should hold. The BPF side only
-//! executes what is decided here, so this is where behaviour is tested.
+//! The policy: a pure function from Services, EndpointSlices, the node and
+//! ServiceCIDRs to the frontends, backend sets and service CIDRs the
+//! datapath should hold. The BPF side only executes what is decided here, so
+//! this is where behaviour is tested.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, hash_map},
@@ -23,6 +24,7 @@ use proxy_common::{
 
 use crate::{
     precedence::{self, Claim},
+    service_cidrs,
     source::Snapshot,
     topology::{self, Hints},
 };
@@ -48,6 +50,9 @@ pub struct ModelConfig {
     /// `--iptables-localhost-nodeports` (only where `node_port_addresses`
     /// admits 127.0.0.1).
     pub localhost_node_ports: bool,
+    /// `--service-cidr`: the service CIDRs where the cluster has no
+    /// ServiceCIDR object (see `service_cidrs`).
+    pub service_cidrs: Vec<IpNet>,
 }
 
 impl ModelConfig {
@@ -129,6 +134,8 @@ pub struct DesiredState {
     /// Every distinct backend in `backend_sets`, with the union of its flags
     /// across the sets it is in (`backend_states`).
     pub backends: BTreeMap<BackendTuple, u8>,
+    /// Where an address no Service owns is dropped (`service_cidrs::effective`).
+    pub service_cidrs: BTreeSet<IpNet>,
 }
 
 /// A backend's identity: address, port, IP protocol.
@@ -239,6 +246,9 @@ pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<Ob
     let mut state = DesiredState::default();
     let grouped = group(snapshot);
     let mut errors = grouped.errors;
+    let (cidrs, cidr_errors) = service_cidrs::effective(&snapshot.service_cidrs, &config.service_cidrs);
+    state.service_cidrs = cidrs;
+    errors.extend(cidr_errors);
     let zone = topology::node_zone(snapshot.node.as_ref());
     // The claim each frontend is served by, and every claim on those more
     // than one Service claims.
@@ -954,7 +964,26 @@ endpoints:
             detect_local: true,
             masquerade_all: false,
             localhost_node_ports: false,
+            service_cidrs: vec!["10.96.0.0/12".parse().unwrap()],
         }
+    }
+
+    #[test]
+    fn service_cidr_objects_replace_the_flag_and_their_bad_entries_are_reported() {
+        let flag = |state: &DesiredState| state.service_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>();
+        let (state, errors) = build(&Snapshot::from_yaml(WEB), &node_cfg());
+        assert!(errors.iter().all(|e| !e.object.starts_with("servicecidr")), "{errors:?}");
+        assert_eq!(flag(&state), ["10.96.0.0/12"]);
+        let yaml = format!(
+            "{WEB}---\napiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: kubernetes}}\n\
+             spec: {{cidrs: [10.96.0.0/16, 10.96.0.0/99]}}\n"
+        );
+        let (state, errors) = build(&Snapshot::from_yaml(&yaml), &node_cfg());
+        assert_eq!(flag(&state), ["10.96.0.0/16"]);
+        let text: Vec<String> = errors.iter().filter(|e| e.object.starts_with("servicecidr")).map(ToString::to_string).collect();
+        assert_eq!(text, ["servicecidr kubernetes: spec.cidrs[1]: invalid CIDR \"10.96.0.0/99\"; skipped"]);
+        // The Services are built as before.
+        assert_eq!(backends_of(&state, "shop/web:http"), ["10.244.0.11:8080", "10.244.0.13:8080"]);
     }
 
     /// A LoadBalancer Service with an ExternalIP, NodePort 30080 and one

@@ -14,4 +14,7 @@ pub const API_ACCESS: &[ApiAccess] = &[
     ApiAccess { group: "", resource: "services", verbs: &["list", "watch"] },
     ApiAccess { group: "discovery.k8s.io", resource: "endpointslices", verbs: &["list", "watch"] },
     ApiAccess { group: "", resource: "nodes", verbs: &["get", "list", "watch"] },
+    // Only where the API server has them (Kubernetes 1.33+); a 403 here
+    // leaves the agent on --service-cidr.
+    ApiAccess { group: "networking.k8s.io", resource: "servicecidrs", verbs: &["list", "watch"] },
 ];

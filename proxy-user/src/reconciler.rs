@@ -2,7 +2,8 @@
 //! that never lets a packet see a half-written service: backends before the
 //! slots that name them, slots before the count that exposes them, and
 //! removals last. IDs come from what the maps already hold, so a restarted
-//! agent keeps every service and backend ID and no flow is disturbed.
+//! agent keeps every service and backend ID and no flow is disturbed. The
+//! service CIDRs, a handful of prefixes, are compared whole on every sync.
 
 use std::{
     collections::{BTreeSet, HashMap, HashSet},
@@ -28,6 +29,8 @@ pub struct Contents {
     pub names: HashMap<u32, (String, u8)>,
     /// loadBalancerSourceRanges entries: (service ID, allowed prefix).
     pub source_ranges: HashSet<(u32, IpNet)>,
+    /// Where an address no Service owns is dropped.
+    pub service_cidrs: BTreeSet<IpNet>,
 }
 
 /// Writes to the datapath maps. The real one is `maps::Maps`; tests use `Contents`.
@@ -42,6 +45,8 @@ pub trait MapWriter {
     fn del_name(&mut self, id: u32) -> Result<()>;
     fn put_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()>;
     fn del_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()>;
+    fn put_service_cidr(&mut self, net: &IpNet) -> Result<()>;
+    fn del_service_cidr(&mut self, net: &IpNet) -> Result<()>;
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -211,6 +216,14 @@ impl Reconciler {
             }
         }
 
+        // Service CIDRs after the frontends, so an address that just became
+        // a ClusterIP in a new CIDR is never dropped on the way.
+        for net in desired.service_cidrs.difference(&self.held.service_cidrs).copied().collect::<Vec<_>>() {
+            maps.put_service_cidr(&net).with_context(|| format!("service CIDR {net}"))?;
+            self.held.service_cidrs.insert(net);
+            stats.writes += 1;
+        }
+
         // 3. Removals: frontends, then what stood behind them, then backends.
         for key in stale_frontends {
             if self.held.frontends.contains_key(&key) {
@@ -246,6 +259,11 @@ impl Reconciler {
             self.held.names.remove(&id);
             self.service_ids.remove(&(name, set.policy));
             self.free_service_ids.release(id);
+            stats.deletes += 1;
+        }
+        for net in self.held.service_cidrs.difference(&desired.service_cidrs).copied().collect::<Vec<_>>() {
+            maps.del_service_cidr(&net).with_context(|| format!("service CIDR {net}"))?;
+            self.held.service_cidrs.remove(&net);
             stats.deletes += 1;
         }
         for t in &touched.backends {
@@ -433,6 +451,14 @@ impl MapWriter for Contents {
         self.source_ranges.remove(&(service_id, *net));
         Ok(())
     }
+    fn put_service_cidr(&mut self, net: &IpNet) -> Result<()> {
+        self.service_cidrs.insert(*net);
+        Ok(())
+    }
+    fn del_service_cidr(&mut self, net: &IpNet) -> Result<()> {
+        self.service_cidrs.remove(net);
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -530,6 +556,24 @@ mod tests {
     }
 
     #[test]
+    fn service_cidrs_are_compared_whole_by_every_sync() {
+        let nets = |list: &[&str]| list.iter().map(|n| n.parse().unwrap()).collect::<BTreeSet<IpNet>>();
+        let with = |cidrs: &[&str]| DesiredState { service_cidrs: nets(cidrs), ..desired(&[("a", "10.96.0.1", &["10.0.0.1"])]) };
+        // A previous agent's CIDRs, adopted: the first sync replaces them.
+        let mut maps = Contents { service_cidrs: nets(&["172.30.0.0/16"]), ..Default::default() };
+        let mut r = Reconciler::adopt(maps.clone());
+        r.sync(&with(&["10.96.0.0/16", "fd00:10:96::/112"]), &mut maps).unwrap();
+        assert_eq!(maps.service_cidrs, nets(&["10.96.0.0/16", "fd00:10:96::/112"]));
+        // An incremental sync that touched no key still applies a CIDR change.
+        let stats = r.sync_touched(&with(&["10.96.0.0/16", "10.97.0.0/16"]), &Touched::default(), &mut maps).unwrap();
+        assert_eq!(maps.service_cidrs, nets(&["10.96.0.0/16", "10.97.0.0/16"]));
+        assert_eq!((stats.writes, stats.deletes), (1, 1));
+        assert_eq!(r.sync_touched(&with(&["10.96.0.0/16", "10.97.0.0/16"]), &Touched::default(), &mut maps).unwrap().writes, 0);
+        r.sync(&DesiredState::default(), &mut maps).unwrap();
+        assert!(maps.service_cidrs.is_empty());
+    }
+
+    #[test]
     fn a_failed_write_is_retried_by_the_next_sync() {
         struct FailOnce(Contents, bool);
         impl MapWriter for FailOnce {
@@ -546,6 +590,8 @@ mod tests {
             fn del_name(&mut self, id: u32) -> Result<()> { self.0.del_name(id) }
             fn put_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> { self.0.put_source_range(id, n) }
             fn del_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> { self.0.del_source_range(id, n) }
+            fn put_service_cidr(&mut self, n: &IpNet) -> Result<()> { self.0.put_service_cidr(n) }
+            fn del_service_cidr(&mut self, n: &IpNet) -> Result<()> { self.0.del_service_cidr(n) }
         }
         let d = desired(&[("a", "10.96.0.1", &["10.0.0.1"])]);
         let mut maps = FailOnce(Contents::default(), true);

@@ -5,7 +5,9 @@
 //! deleted events, bookmarks (a watch that ends resumes from the bookmark),
 //! and a 410 Gone sent as a real apiserver sends it — an ERROR event inside a
 //! 200 watch stream — after which the relist drops objects deleted meanwhile.
-//! Every request is checked against `rbac::API_ACCESS`.
+//! ServiceCIDRs are watched where the server has them, and a server without
+//! them (or one that forbids them) is asked once. Every request is checked
+//! against `rbac::API_ACCESS`.
 
 use std::{
     collections::BTreeMap,
@@ -59,6 +61,9 @@ struct ApiState {
     objects: BTreeMap<String, BTreeMap<String, Value>>,
     watches: Vec<OpenWatch>,
     requests: Vec<Recorded>,
+    /// Resources this server answers with an error status instead (404: an
+    /// older Kubernetes without them; 403: RBAC without them).
+    refused: BTreeMap<String, u16>,
 }
 
 #[derive(Clone, Default)]
@@ -98,6 +103,7 @@ fn list_kind(resource: &str) -> (&'static str, &'static str) {
         "services" => ("v1", "ServiceList"),
         "endpointslices" => ("discovery.k8s.io/v1", "EndpointSliceList"),
         "nodes" => ("v1", "NodeList"),
+        "servicecidrs" => ("networking.k8s.io/v1", "ServiceCIDRList"),
         other => panic!("unexpected resource {other}"),
     }
 }
@@ -148,6 +154,18 @@ impl FakeApi {
         assert_eq!(req.method(), http::Method::GET, "{path}");
         let mut st = self.0.lock().unwrap();
         st.requests.push(Recorded { group: group.into(), resource: resource.clone(), verb: verb.into(), query: query.clone() });
+        match st.refused.get(&resource) {
+            // What an apiserver without the resource answers: plain text, no Status.
+            Some(404) => {
+                return Response::builder().status(StatusCode::NOT_FOUND).body(body_once(b"404 page not found\n".to_vec())).unwrap();
+            }
+            Some(&code) => {
+                let reason = if code == 403 { "Forbidden" } else { "ServiceUnavailable" };
+                let body = status(code, reason, &format!("cannot {verb} resource \"{resource}\" in API group \"{group}\""));
+                return Response::builder().status(code).body(body_once(serde_json::to_vec(&body).unwrap())).unwrap();
+            }
+            None => {}
+        }
         let label_selector = query.get("labelSelector").cloned();
         let field_selector = query.get("fieldSelector").cloned();
         let selected = |obj: &&Value| {
@@ -178,6 +196,16 @@ impl FakeApi {
                 Response::new(StreamBody::new(rx))
             }
         }
+    }
+
+    /// Answers every request on `resource` with `code` from now on.
+    fn refuse(&self, resource: &str, code: u16) {
+        self.0.lock().unwrap().refused.insert(resource.into(), code);
+    }
+
+    /// Answers requests on `resource` again.
+    fn admit(&self, resource: &str) {
+        self.0.lock().unwrap().refused.remove(resource);
     }
 
     fn requests(&self) -> Vec<Recorded> {
@@ -335,6 +363,41 @@ fn node(name: &str, zone: &str) -> Value {
            "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
 }
 
+fn service_cidr(name: &str, cidrs: &[&str]) -> Value {
+    json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+           "metadata": {"name": name}, "spec": {"cidrs": cidrs}})
+}
+
+/// The source on a client of `api`, publishing into the returned receiver.
+fn start_source(api: &FakeApi) -> (tokio::task::JoinHandle<anyhow::Result<()>>, watch::Receiver<Option<Arc<Snapshot>>>) {
+    let (mock, handle) = tower_test::mock::pair::<Request<kube::client::Body>, Response<Body>>();
+    api.serve(handle);
+    let client = kube::Client::new(mock, "default");
+    let (tx, rx) = watch::channel(None);
+    (tokio::spawn(KubeSource::new(client, NODE.into()).run(tx)), rx)
+}
+
+/// Every request is one `rbac::API_ACCESS` allows.
+fn assert_allowed(requests: &[Recorded]) {
+    for r in requests {
+        let allowed = API_ACCESS
+            .iter()
+            .any(|a| a.group == r.group && a.resource == r.resource && a.verbs.contains(&r.verb.as_str()));
+        assert!(allowed, "{} {}/{} is not in rbac::API_ACCESS", r.verb, r.group, r.resource);
+    }
+}
+
+/// The names of the snapshot's ServiceCIDRs.
+fn cidr_names(s: &Snapshot) -> Vec<String> {
+    s.service_cidrs.iter().map(|c| c.metadata.name.clone().unwrap_or_default()).collect()
+}
+
+/// The service CIDRs the model makes of a snapshot, with `--service-cidr 172.30.0.0/16`.
+fn effective_cidrs(s: &Snapshot) -> Vec<String> {
+    let config = ModelConfig { node_name: NODE.into(), service_cidrs: vec!["172.30.0.0/16".parse().unwrap()], ..Default::default() };
+    model::build(s, &config).0.service_cidrs.iter().map(ToString::to_string).collect()
+}
+
 /// Waits until the published snapshot satisfies `check`; returns it.
 async fn wait_for(rx: &mut watch::Receiver<Option<Arc<Snapshot>>>, what: &str, check: impl Fn(&Snapshot) -> bool) -> Arc<Snapshot> {
     let found = match tokio::time::timeout(TIMEOUT, rx.wait_for(|s| s.as_ref().is_some_and(|s| check(s)))).await {
@@ -387,11 +450,7 @@ async fn list_watch_bookmark_and_410_relist_against_a_fake_apiserver() {
     api.apply("nodes", node(NODE, "zone-a"));
     api.apply("nodes", node("node-b", "zone-b"));
 
-    let (mock, handle) = tower_test::mock::pair::<Request<kube::client::Body>, Response<Body>>();
-    api.serve(handle);
-    let client = kube::Client::new(mock, "default");
-    let (tx, mut rx) = watch::channel(None);
-    let source = tokio::spawn(KubeSource::new(client, NODE.into()).run(tx));
+    let (source, mut rx) = start_source(&api);
 
     // Initial list: only what kube-proxy would see, and only our Node.
     let snap = wait_for(&mut rx, "the initial list", |_| true).await;
@@ -449,11 +508,8 @@ async fn list_watch_bookmark_and_410_relist_against_a_fake_apiserver() {
 
     // Every request used kube-proxy's selectors and is allowed by our RBAC.
     let requests = api.requests();
+    assert_allowed(&requests);
     for r in &requests {
-        let allowed = API_ACCESS
-            .iter()
-            .any(|a| a.group == r.group && a.resource == r.resource && a.verbs.contains(&r.verb.as_str()));
-        assert!(allowed, "{} {}/{} is not in rbac::API_ACCESS", r.verb, r.group, r.resource);
         match (r.resource.as_str(), r.verb.as_str()) {
             ("services" | "endpointslices", _) => {
                 assert_eq!(r.query.get("labelSelector").map(String::as_str), Some(PROXY_LABEL_SELECTOR), "{r:?}")
@@ -467,6 +523,102 @@ async fn list_watch_bookmark_and_410_relist_against_a_fake_apiserver() {
     for (resource, verb) in [("services", "watch"), ("endpointslices", "list"), ("nodes", "watch"), ("nodes", "get")] {
         assert!(requests.iter().any(|r| r.resource == resource && r.verb == verb), "no {verb} on {resource}");
     }
+    drop(rx);
+    tokio::time::timeout(TIMEOUT, source).await.expect("the source stops when nobody listens").unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn service_cidrs_are_listed_and_watched_and_replace_the_flag() {
+    let api = FakeApi::default();
+    api.apply("services", service("web", "10.96.0.10", json!({})));
+    api.apply("nodes", node(NODE, "zone-a"));
+    api.apply("servicecidrs", service_cidr("kubernetes", &["10.96.0.0/16", "fd00:10:96::/112"]));
+    let (source, mut rx) = start_source(&api);
+
+    // The first snapshot already holds them: no sync ever runs on the flag
+    // while the cluster's ServiceCIDRs are still being listed.
+    let snap = wait_for(&mut rx, "the initial list", |_| true).await;
+    assert_eq!(cidr_names(&snap), ["kubernetes"]);
+    assert_eq!(services(&snap), ["web"]);
+    assert_eq!(effective_cidrs(&snap), ["10.96.0.0/16", "fd00:10:96::/112"]);
+
+    // Added, changed, deleted: each reaches the snapshot.
+    api.wait_watching("servicecidrs").await;
+    api.apply("servicecidrs", service_cidr("extra", &["10.97.0.0/16"]));
+    let snap = wait_for(&mut rx, "extra added", |s| cidr_names(s) == ["extra", "kubernetes"]).await;
+    assert_eq!(effective_cidrs(&snap), ["10.96.0.0/16", "10.97.0.0/16", "fd00:10:96::/112"]);
+    api.apply("servicecidrs", service_cidr("extra", &["10.98.0.0/16"]));
+    wait_for(&mut rx, "extra changed", |s| effective_cidrs(s).contains(&"10.98.0.0/16".into())).await;
+    api.delete("servicecidrs", "/extra");
+    api.delete("servicecidrs", "/kubernetes");
+    // None left: the flag again.
+    let snap = wait_for(&mut rx, "both deleted", |s| s.service_cidrs.is_empty()).await;
+    assert_eq!(effective_cidrs(&snap), ["172.30.0.0/16"]);
+
+    let requests = api.requests();
+    assert_allowed(&requests);
+    let on_cidrs: Vec<(&str, Option<&str>)> = requests
+        .iter()
+        .filter(|r| r.resource == "servicecidrs")
+        .map(|r| (r.verb.as_str(), r.query.get("limit").map(String::as_str)))
+        .take(2)
+        .collect();
+    // The one-object probe, then the watcher's own list.
+    assert_eq!(on_cidrs[0], ("list", Some("1")), "{requests:?}");
+    assert_eq!(on_cidrs[1].0, "list", "{requests:?}");
+    assert!(requests.iter().any(|r| r.resource == "servicecidrs" && r.verb == "watch"));
+    assert!(requests.iter().filter(|r| r.resource == "servicecidrs").all(|r| r.group == "networking.k8s.io" && r.query.get("labelSelector").is_none()));
+    drop(rx);
+    tokio::time::timeout(TIMEOUT, source).await.expect("the source stops when nobody listens").unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_server_without_service_cidrs_is_asked_once_and_the_flag_serves() {
+    // 404: Kubernetes before 1.33. 403: a ClusterRole from before this version.
+    for code in [404, 403] {
+        let api = FakeApi::default();
+        api.refuse("servicecidrs", code);
+        api.apply("services", service("web", "10.96.0.10", json!({})));
+        api.apply("endpointslices", slice("web-1", "web", &["10.244.0.11"]));
+        api.apply("nodes", node(NODE, "zone-a"));
+        let (source, mut rx) = start_source(&api);
+
+        let snap = wait_for(&mut rx, "the initial list", |_| true).await;
+        assert_eq!((services(&snap), slices(&snap)), (vec!["web".to_string()], vec!["web-1".to_string()]), "HTTP {code}");
+        assert!(snap.service_cidrs.is_empty());
+        assert_eq!(effective_cidrs(&snap), ["172.30.0.0/16"]);
+        // Changes are followed as before.
+        api.wait_watching("services").await;
+        api.apply("services", service("db", "10.96.0.11", json!({})));
+        wait_for(&mut rx, "db added", |s| services(s).contains(&"db".into())).await;
+
+        let asked: Vec<String> = api.requests().iter().filter(|r| r.resource == "servicecidrs").map(|r| r.verb.clone()).collect();
+        assert_eq!(asked, ["list"], "HTTP {code}: asked once, never watched");
+        assert_allowed(&api.requests());
+        drop(rx);
+        tokio::time::timeout(TIMEOUT, source).await.expect("the source stops when nobody listens").unwrap().unwrap();
+    }
+}
+
+#[tokio::test]
+async fn an_api_that_cannot_say_whether_it_serves_service_cidrs_is_asked_again() {
+    let api = FakeApi::default();
+    api.apply("nodes", node(NODE, "zone-a"));
+    api.apply("servicecidrs", service_cidr("kubernetes", &["10.96.0.0/16"]));
+    // 503: neither "served" nor "not served"; guessing either would be wrong.
+    api.refuse("servicecidrs", 503);
+    let (source, mut rx) = start_source(&api);
+    let asked = || api.requests().iter().filter(|r| r.resource == "servicecidrs").count();
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    while asked() == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "never asked");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(rx.borrow().is_none(), "published before knowing the service CIDRs");
+    api.admit("servicecidrs");
+    let snap = wait_for(&mut rx, "the initial list", |_| true).await;
+    assert_eq!(cidr_names(&snap), ["kubernetes"], "served once the API answered");
+    assert!(asked() >= 2);
     drop(rx);
     tokio::time::timeout(TIMEOUT, source).await.expect("the source stops when nobody listens").unwrap().unwrap();
 }

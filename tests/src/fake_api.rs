@@ -1,6 +1,6 @@
 //! A minimal Kubernetes API server over plain HTTP, for running the real
 //! agent binary with `--kubeconfig`: it serves lists of the objects it holds
-//! (Services, EndpointSlices, Nodes, honouring a `metadata.name` field
+//! (Services, EndpointSlices, Nodes, ServiceCIDRs, honouring a `metadata.name` field
 //! selector and `!label` / `label=value` label selectors) and streams watch events the test pushes. Each connection is
 //! answered once and closed; a watch stays open until the server is dropped.
 
@@ -47,9 +47,13 @@ pub struct FakeApi {
     thread: Option<JoinHandle<()>>,
 }
 
-/// The resource a path names: `services`, `endpointslices`, `nodes` (and a name, for a get).
+/// The resource a path names: `services`, `endpointslices`, `nodes`,
+/// `servicecidrs` (and a name, for a get).
 fn resource_of(path: &str) -> Option<(String, Option<String>)> {
-    let p = path.trim_start_matches("/api/v1/").trim_start_matches("/apis/discovery.k8s.io/v1/");
+    let p = ["/api/v1/", "/apis/discovery.k8s.io/v1/", "/apis/networking.k8s.io/v1/"]
+        .iter()
+        .find_map(|prefix| path.strip_prefix(prefix))
+        .unwrap_or(path);
     let mut parts = p.split('/');
     let resource = parts.next()?.to_string();
     Some((resource, parts.next().map(str::to_string)))
@@ -59,6 +63,7 @@ fn list_kind(resource: &str) -> &'static str {
     match resource {
         "services" => "ServiceList",
         "endpointslices" => "EndpointSliceList",
+        "servicecidrs" => "ServiceCIDRList",
         _ => "NodeList",
     }
 }

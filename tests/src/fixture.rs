@@ -39,7 +39,7 @@ impl Fixture {
         }
         install(&mut maps).context("filling the service maps")?;
         // Every source in-cluster, so the tables need internal frontends only.
-        maps.write_node_config(&Default::default(), &["0.0.0.0/0".parse()?], &[]).context("node settings")?;
+        maps.write_node_config(&Default::default(), &["0.0.0.0/0".parse()?]).context("node settings")?;
         Ok(Fixture { ebpf, maps, _bpffs: bpffs })
     }
 

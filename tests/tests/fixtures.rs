@@ -716,7 +716,8 @@ fn install_services(m: &mut Maps) -> anyhow::Result<()> {
 /// Local-policy frontend without local endpoints.
 fn install_policy(m: &mut Maps) -> anyhow::Result<()> {
     let snat = [(0u32, std::net::IpAddr::from(NODE_IP))].into_iter().collect();
-    m.write_node_config(&snat, &[CLUSTER_CIDR.parse()?], &[SERVICE_CIDR.parse()?])?;
+    m.write_node_config(&snat, &[CLUSTER_CIDR.parse()?])?;
+    m.put_service_cidr(&SERVICE_CIDR.parse()?)?;
     for vip in [VIP, VIP_EMPTY] {
         m.put_frontend(&cluster_ip_marker(Addr::from_v4_octets(vip)), &ServiceEntry { kind: KIND_CLUSTER_IP, ..Default::default() })?;
     }

@@ -327,7 +327,7 @@ fn ipv6_masquerade_fixtures() {
     let mut fx = fixture("ipv6-fixtures-masq");
     let snat = [(0, std::net::IpAddr::from(NODE_IP4)), (SNAT_ADDR_IPV6, NODE_IP6.parse().unwrap())].into_iter().collect();
     let cluster = ["0.0.0.0/0".parse().unwrap(), "::/0".parse().unwrap()];
-    fx.maps.write_node_config(&snat, &cluster, &[]).expect("node settings");
+    fx.maps.write_node_config(&snat, &cluster).expect("node settings");
     let key = FrontendKey { addr: addr(VIP_MASQ), port: 80u16.to_be(), proto: IPPROTO_TCP, scope: SCOPE_INTERNAL };
     let entry = ServiceEntry { service_id: MASQ_SERVICE_ID, backend_count: 1, kind: KIND_CLUSTER_IP, flags: SVC_MASQUERADE, ..Default::default() };
     fx.maps.put_frontend(&key, &entry).unwrap();
@@ -347,7 +347,7 @@ fn fixture(label: &str) -> Fixture {
     let mut fx = Fixture::new(label, install_services).unwrap();
     // Every source in-cluster (IPv6 too), so only internal frontends are needed.
     let cluster = ["0.0.0.0/0".parse().unwrap(), "::/0".parse().unwrap()];
-    fx.maps.write_node_config(&Default::default(), &cluster, &[]).expect("node settings");
+    fx.maps.write_node_config(&Default::default(), &cluster).expect("node settings");
     fx
 }
 

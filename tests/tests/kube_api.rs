@@ -79,7 +79,10 @@ fn agent_serves_what_the_kubernetes_api_says() -> Result<()> {
 
     assert!(tcp_request(&client.ns, SocketAddr::from((FOREIGN_IP, 80))).is_err(), "another proxy's Service was programmed");
     let requests = api.requests();
-    for r in ["list services", "watch services", "list endpointslices", "watch endpointslices", "list nodes", "watch nodes", "get nodes"] {
+    for r in [
+        "list services", "watch services", "list endpointslices", "watch endpointslices", "list nodes", "watch nodes", "get nodes",
+        "list servicecidrs", "watch servicecidrs",
+    ] {
         assert!(requests.iter().any(|x| x == r), "no {r}: {requests:?}");
     }
     Ok(())

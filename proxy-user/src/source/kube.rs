@@ -1,11 +1,12 @@
 //! The Kubernetes API source: kube-rs watchers on Services, EndpointSlices
-//! and this node's Node, with kube-proxy's selectors. Each watcher keeps its
-//! own store; a snapshot of the three is published once every store has had
-//! its first complete list, and again after each change. A watch that expires
-//! (410 Gone) makes the watcher relist, and the relist replaces its store, so
-//! objects deleted meanwhile go away.
+//! and this node's Node, with kube-proxy's selectors, and on ServiceCIDRs
+//! where the API server serves them (asked once at start). Each watcher
+//! keeps its own store; a snapshot of them all is published once every
+//! store has had its first complete list, and again after each change. A
+//! watch that expires (410 Gone) makes the watcher relist, and the relist
+//! replaces its store, so objects deleted meanwhile go away.
 
-use std::{collections::BTreeMap, path::Path, sync::Arc};
+use std::{collections::BTreeMap, path::Path, pin::Pin, sync::Arc, time::Duration};
 
 use anyhow::{Context, Result};
 use futures::{Stream, StreamExt};
@@ -13,11 +14,13 @@ use k8s_openapi::{
     api::{
         core::v1::{Node, NodeSpec, Service},
         discovery::v1::EndpointSlice,
+        networking::v1::ServiceCIDR,
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use kube::{
     Api, Client, Config, Resource, ResourceExt,
+    api::ListParams,
     config::{KubeConfigOptions, Kubeconfig},
     runtime::{WatchStreamExt, watcher},
 };
@@ -85,6 +88,12 @@ impl<K: Resource + Clone> Store<K> {
         Store { objects: BTreeMap::new(), relisting: None, listed: false }
     }
 
+    /// The store of a resource the API server does not serve: empty, and
+    /// complete from the start.
+    fn unserved() -> Self {
+        Store { listed: true, ..Store::new() }
+    }
+
     /// Applies one watcher event; returns whether the served objects changed.
     fn apply(&mut self, event: watcher::Event<K>) -> bool {
         match event {
@@ -148,6 +157,47 @@ where
     watcher(api, config).default_backoff()
 }
 
+type EventStream<K> = Pin<Box<dyn Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send>>;
+
+/// The longest wait between two tries of `serves_service_cidrs`.
+const PROBE_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// Whether to watch ServiceCIDRs (`networking.k8s.io/v1`, Kubernetes 1.33+),
+/// by a one-object list: 404 means the server has no such resource (older
+/// Kubernetes), 403 that our ClusterRole predates it. Either way the agent
+/// goes on with `--service-cidr`, as before. Any other failure (the API
+/// unreachable) is retried: nothing can be served before the API answers,
+/// and guessing would either never list or watch a resource forever.
+async fn serves_service_cidrs(client: &Client) -> bool {
+    let api = Api::<ServiceCIDR>::all(client.clone());
+    let mut backoff = Duration::from_secs(1);
+    loop {
+        match api.list(&ListParams::default().limit(1)).await {
+            Ok(_) => {
+                info!("the API serves networking.k8s.io/v1 ServiceCIDRs: where any exist, their CIDRs replace --service-cidr");
+                return true;
+            }
+            Err(kube::Error::Api(status)) if status.code == 404 => {
+                info!("the API has no networking.k8s.io/v1 ServiceCIDRs (Kubernetes before 1.33): using --service-cidr");
+                return false;
+            }
+            Err(kube::Error::Api(status)) if status.code == 403 => {
+                warn!(
+                    "not allowed to list networking.k8s.io servicecidrs (apply deploy/rbac.yaml of this version): \
+                     using --service-cidr: {}",
+                    status.message
+                );
+                return false;
+            }
+            Err(e) => {
+                warn!("cannot ask the API whether it serves ServiceCIDRs, retrying in {backoff:?}: {e}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(PROBE_BACKOFF_MAX);
+            }
+        }
+    }
+}
+
 impl Source for KubeSource {
     async fn run(self, updates: SnapshotSender) -> Result<()> {
         let selector = watcher::Config::default().labels(PROXY_LABEL_SELECTOR);
@@ -160,6 +210,15 @@ impl Source for KubeSource {
             ),
             Err(e) => warn!(node = %self.node_name, "cannot read this node's Node object, will keep watching: {e}"),
         }
+        let served = tokio::select! {
+            served = serves_service_cidrs(&self.client) => served,
+            _ = updates.closed() => return Ok(()),
+        };
+        let (mut cidrs, mut cidr_store): (EventStream<ServiceCIDR>, _) = if served {
+            (Box::pin(watch(Api::<ServiceCIDR>::all(self.client.clone()), watcher::Config::default())), Store::new())
+        } else {
+            (Box::pin(futures::stream::pending()), Store::unserved())
+        };
         let mut services = Box::pin(watch(Api::<Service>::all(self.client.clone()), selector.clone()));
         let mut slices = Box::pin(watch(Api::<EndpointSlice>::all(self.client.clone()), selector));
         let mut nodes = Box::pin(watch(Api::<Node>::all(self.client.clone()), node_selector));
@@ -173,6 +232,7 @@ impl Source for KubeSource {
             let changed = tokio::select! {
                 ev = services.next() => handle("services", ev, &mut service_store)?,
                 ev = slices.next() => handle("endpointslices", ev, &mut slice_store)?,
+                ev = cidrs.next() => handle("servicecidrs", ev, &mut cidr_store)?,
                 ev = nodes.next() => {
                     handle("nodes", ev, &mut node_store)?;
                     let node = node_store.objects.values().next().map(|n| node_identity((**n).clone()));
@@ -182,7 +242,7 @@ impl Source for KubeSource {
                 }
                 _ = updates.closed() => return Ok(()),
             };
-            let ready = service_store.listed && slice_store.listed && node_store.listed;
+            let ready = service_store.listed && slice_store.listed && node_store.listed && cidr_store.listed;
             if !(changed && ready) {
                 continue;
             }
@@ -190,12 +250,14 @@ impl Source for KubeSource {
                 services: service_store.objects.values().cloned().collect(),
                 slices: slice_store.objects.values().cloned().collect(),
                 node: node_seen.clone(),
+                service_cidrs: cidr_store.objects.values().cloned().collect(),
             };
             if !published {
                 info!(
                     services = snap.services.len(),
                     endpointslices = snap.slices.len(),
                     node_found = snap.node.is_some(),
+                    servicecidrs = snap.service_cidrs.len(),
                     "initial list from the Kubernetes API complete"
                 );
                 published = true;

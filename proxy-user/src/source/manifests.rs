@@ -1,7 +1,8 @@
 //! `--manifests DIR`: every *.yaml, *.yml and *.json file under DIR, applied
 //! live as files change. A file that does not parse is reported and its last
 //! good version keeps being served, so a typo never drops a Service. Objects
-//! kube-proxy's label selector leaves out are left out here too.
+//! kube-proxy's label selector leaves out are left out here too. Services,
+//! EndpointSlices, a Node and ServiceCIDRs are read; other kinds are ignored.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -126,7 +127,8 @@ pub fn ours(mut objects: Vec<Object>) -> Vec<Object> {
     objects.retain(|obj| match obj {
         Object::Service(s) => kube::is_ours(s.metadata.labels.as_ref()),
         Object::EndpointSlice(s) => kube::is_ours(s.metadata.labels.as_ref()),
-        Object::Node(_) => true,
+        // The selector is for Services and slices; the API source lists these unfiltered.
+        Object::Node(_) | Object::ServiceCIDR(_) => true,
     });
     objects
 }
@@ -320,6 +322,42 @@ mod tests {
         // The same bytes again change nothing.
         write(dir.path(), "b.yml", &SVC.replace("NAME", "b2"));
         assert!(!st.reload(vec![dir.path().join("b.yml")]));
+    }
+
+    #[test]
+    fn service_cidr_files_are_served_and_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let cidr = |cidrs: &str| format!("apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: kubernetes}}\nspec: {{cidrs: {cidrs}}}\n");
+        let config = crate::model::ModelConfig { service_cidrs: vec!["172.30.0.0/16".parse().unwrap()], ..Default::default() };
+        let effective = |st: &DirState| {
+            let (state, errors) = crate::model::build(&st.snapshot(), &config);
+            (state.service_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>(), errors.iter().map(ToString::to_string).collect::<Vec<_>>())
+        };
+        write(dir.path(), "web.yaml", &SVC.replace("NAME", "web"));
+        let mut st = DirState::default();
+        st.rescan(dir.path());
+        assert_eq!(effective(&st), (vec!["172.30.0.0/16".to_string()], vec![]), "no ServiceCIDR: the flag");
+
+        // With the Service's own file or apart, a ServiceCIDR replaces the flag.
+        write(dir.path(), "cidrs.yaml", &cidr("[10.96.0.0/16, 'fd00:10:96::/112']"));
+        assert!(st.rescan(dir.path()));
+        assert_eq!(st.snapshot().services.len(), 1);
+        assert_eq!(effective(&st).0, ["10.96.0.0/16", "fd00:10:96::/112"]);
+        // A bad entry is reported with the object and skipped.
+        write(dir.path(), "cidrs.yaml", &cidr("[10.96.0.0/16, 10.96.0.0/40]"));
+        assert!(st.rescan(dir.path()));
+        let (cidrs, errors) = effective(&st);
+        assert_eq!(cidrs, ["10.96.0.0/16"]);
+        assert_eq!(errors, ["servicecidr kubernetes: spec.cidrs[1]: invalid CIDR \"10.96.0.0/40\"; skipped"]);
+        // A file that does not parse keeps its last good version.
+        write(dir.path(), "cidrs.yaml", &cidr("10.96.0.0/16"));
+        assert!(!st.rescan(dir.path()));
+        assert_eq!(st.errors().len(), 1);
+        assert_eq!(effective(&st).0, ["10.96.0.0/16"]);
+        // Removed: the flag again.
+        std::fs::remove_file(dir.path().join("cidrs.yaml")).unwrap();
+        assert!(st.rescan(dir.path()));
+        assert_eq!(effective(&st).0, ["172.30.0.0/16"]);
     }
 
     #[test]

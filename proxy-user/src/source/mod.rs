@@ -1,13 +1,17 @@
-//! Where Services, EndpointSlices and the Node come from. Every source
-//! publishes full snapshots; the model and reconciler never know which source
-//! fed them.
+//! Where Services, EndpointSlices, the Node and ServiceCIDRs come from.
+//! Every source publishes full snapshots; the model and reconciler never know
+//! which source fed them.
 
 pub mod kube;
 pub mod manifests;
 
 use std::sync::Arc;
 
-use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+    networking::v1::ServiceCIDR,
+};
 use tokio::sync::watch;
 
 use crate::manifest::Object;
@@ -20,6 +24,9 @@ pub struct Snapshot {
     pub services: Vec<Arc<Service>>,
     pub slices: Vec<Arc<EndpointSlice>>,
     pub node: Option<Node>,
+    /// The cluster's ServiceCIDRs; none where the API has no such resource
+    /// (`service_cidrs` falls back to `--service-cidr` then).
+    pub service_cidrs: Vec<Arc<ServiceCIDR>>,
 }
 
 impl Snapshot {
@@ -29,6 +36,7 @@ impl Snapshot {
             Object::Service(s) => self.services.push(s.clone()),
             Object::EndpointSlice(s) => self.slices.push(s.clone()),
             Object::Node(n) => self.node = Some((**n).clone()),
+            Object::ServiceCIDR(c) => self.service_cidrs.push(c.clone()),
         }
     }
 

@@ -95,7 +95,7 @@ fn measure(bpffs: &Bpffs, samples: usize, repeat: u32) -> Result<Results> {
     let (mut ebpf, mut maps) = maps::load(bpffs.path())?;
     maps::load_tc(&mut ebpf, TC_INGRESS).context("verifier rejected tc_ingress")?;
     // Every source in-cluster, so only internal frontends are needed.
-    maps.write_node_config(&Default::default(), &["0.0.0.0/0".parse()?], &[])?;
+    maps.write_node_config(&Default::default(), &["0.0.0.0/0".parse()?])?;
 
     let largest = *SCALES.last().unwrap();
     let set = ServiceSet::new(largest);
