@@ -425,11 +425,14 @@ pub const IPV6_PROG_COUNT: u32 = 4;
 /// The programs that handle the node's own flows translated at egress, by
 /// tail call, each with a stack of its own (inline, they would pass what
 /// older verifiers allow): `tc_egress` hands a node socket's IPv4 packets
-/// to `tc_egress_node`, `tc_ingress` their replies to `tc_ingress_node_reply`.
+/// to `tc_egress_node`, which hands those to no frontend on to
+/// `tc_egress_node_flow`; `tc_ingress` hands their replies to
+/// `tc_ingress_node_reply`.
 pub const MAP_NODE_PROGRAMS: &str = "NODE_PROGRAMS";
 pub const NODE_PROG_EGRESS: u32 = 0;
 pub const NODE_PROG_INGRESS_REPLY: u32 = 1;
-pub const NODE_PROG_COUNT: u32 = 2;
+pub const NODE_PROG_FLOW: u32 = 2;
+pub const NODE_PROG_COUNT: u32 = 3;
 
 pub const COUNTER_NAMES: [&str; 24] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",

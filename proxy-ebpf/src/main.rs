@@ -45,7 +45,7 @@ mod program {
     use aya_ebpf::{bindings::BPF_F_INGRESS, helpers::bpf_redirect};
     use proxy_common::{
         CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_REPLY, Counter, IPPROTO_TCP, IPV6_PROG_EGRESS, IPV6_PROG_INGRESS,
-        IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, MASQUERADE_MARK, NODE_PROG_EGRESS, NODE_PROG_INGRESS_REPLY, REVERSE_NAT_MARK, SCOPE_INTERNAL,
+        IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, MASQUERADE_MARK, NODE_PROG_EGRESS, NODE_PROG_FLOW, NODE_PROG_INGRESS_REPLY, REVERSE_NAT_MARK, SCOPE_INTERNAL,
         SVC_DROP_IF_EMPTY, SVC_MASQUERADE, SVC_SOURCE_RANGES,
     };
 
@@ -257,25 +257,22 @@ mod program {
     fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
         let mark = crate::skb::mark(ctx);
         if mark & (MASQUERADE_MARK | REVERSE_NAT_MARK) == 0 {
+            // A node socket's packet.
             if !skb::from_local_socket(ctx) {
                 return NOT_OURS;
             }
-            let armed = masquerade::node_flows_armed();
-            if !V6 && skb::is_ipv6(ctx) {
-                return if armed { to_ipv6::<false>(ctx, IPV6_PROG_EGRESS) } else { NOT_OURS };
-            }
-            // A node socket's own connection: translated only if it met a
-            // masqueraded flow's tuple (see masquerade::node_source_for).
-            if armed {
-                let done = node_flow::<V6>(ctx);
-                if done != NOT_OURS {
-                    return done;
-                }
-            }
-            // An IPv4 one to a frontend no socket hook translated:
-            // tc_egress_node, with a stack of its own.
             if !V6 {
+                if skb::is_ipv6(ctx) {
+                    return if masquerade::node_flows_armed() { to_ipv6::<false>(ctx, IPV6_PROG_EGRESS) } else { NOT_OURS };
+                }
+                // IPv4: tc_egress_node and tc_egress_node_flow, each with a
+                // stack of its own (inline, egress's would pass what older
+                // verifiers allow).
                 let _ = unsafe { NODE_PROGRAMS.tail_call(ctx, NODE_PROG_EGRESS) };
+                return NOT_OURS;
+            }
+            if masquerade::node_flows_armed() {
+                return node_flow::<V6>(ctx);
             }
             return NOT_OURS;
         }
@@ -333,7 +330,20 @@ mod program {
     /// `node_to_service`.
     #[classifier]
     pub fn tc_egress_node(ctx: TcContext) -> i32 {
-        node_to_service(&ctx).unwrap_or(NOT_OURS)
+        if let Some(done) = node_to_service(&ctx) {
+            return done;
+        }
+        if masquerade::node_flows_armed() {
+            let _ = unsafe { NODE_PROGRAMS.tail_call(&ctx, NODE_PROG_FLOW) };
+        }
+        NOT_OURS
+    }
+
+    /// A node socket's IPv4 connection that may have met a masqueraded
+    /// flow's tuple (see masquerade::node_source_for), from `tc_egress_node`.
+    #[classifier]
+    pub fn tc_egress_node_flow(ctx: TcContext) -> i32 {
+        node_flow::<false>(&ctx)
     }
 
     /// The node's own packet to a frontend, which no socket hook pointed at
@@ -344,7 +354,6 @@ mod program {
     #[inline(always)]
     fn node_to_service(ctx: &TcContext) -> Option<i32> {
         let pkt = parse::parse(ctx).ok()?;
-        let mut known = None;
         if let Some(ct) = conntrack::lookup_flow(&pkt) {
             // Another flow's entry (a forwarded client's reply tuple): not ours.
             if ct.flags & CT_NODE == 0 || ct.direction != CT_ORIGINAL {
@@ -352,25 +361,29 @@ mod program {
             }
             if lb::backend_still_matches(ct, true) {
                 conntrack::touch(ct, pkt.closes_connection());
-                known = Some((ct.nat_addr, ct.nat_port));
-            }
-        }
-        let verdict = match known {
-            Some((addr, port)) => {
                 set_mark(ctx, MASQUERADE_MARK);
-                verdict::<false>(nat::rewrite_dst(ctx, &pkt, &addr, port), Counter::Established)
+                let done = nat::rewrite_dst(ctx, &pkt, &ct.nat_addr, ct.nat_port);
+                return Some(forward(ctx, &pkt, verdict::<false>(done, Counter::Established)));
             }
-            // New, or its backend went away.
-            None => new_flow::<false, false, true>(ctx, &pkt),
-        };
-        if verdict != TC_ACT_OK as i32 {
-            // Not a frontend (left to the kernel), or dropped or rejected.
-            return (verdict != NOT_OURS).then_some(verdict);
         }
-        Some(route::to_destination(ctx, pkt.l3_off, pkt.proto).unwrap_or_else(|counter| {
+        // New, or its backend went away.
+        match new_flow::<false, false, true>(ctx, &pkt) {
+            NOT_OURS => None,
+            verdict => Some(forward(ctx, &pkt, verdict)),
+        }
+    }
+
+    /// A node packet's verdict at egress: translated (TC_ACT_OK), it goes on
+    /// towards its backend; dropped or rejected, as it is.
+    #[inline(always)]
+    fn forward(ctx: &TcContext, pkt: &parse::Packet, verdict: i32) -> i32 {
+        if verdict != TC_ACT_OK as i32 {
+            return verdict;
+        }
+        route::to_destination(ctx, pkt.l3_off, pkt.proto).unwrap_or_else(|counter| {
             count(counter);
             DROP
-        }))
+        })
     }
 
     #[inline(always)]

@@ -44,13 +44,15 @@ pub const PINNED_MAPS: [&str; 18] = [
 /// program array and slot they go in: the IPv4 programs hand IPv6 frames to
 /// their IPv6 counterparts (and egress's IPv6 program hands masqueraded
 /// flows on to a third); egress hands node sockets' IPv4 packets to
-/// `tc_egress_node`, ingress their replies to `tc_ingress_node_reply`.
-const TAIL_CALLED: [(&str, &str, &str, u32); 6] = [
+/// `tc_egress_node` (and on to `tc_egress_node_flow`), ingress their
+/// replies to `tc_ingress_node_reply`.
+const TAIL_CALLED: [(&str, &str, &str, u32); 7] = [
     (TC_INGRESS, "tc_ingress6", MAP_IPV6_PROGRAMS, IPV6_PROG_INGRESS),
     (TC_INGRESS, "tc_ingress_node_reply", MAP_NODE_PROGRAMS, NODE_PROG_INGRESS_REPLY),
     (TC_EGRESS, "tc_egress6", MAP_IPV6_PROGRAMS, IPV6_PROG_EGRESS),
     (TC_EGRESS, "tc_masquerade6", MAP_IPV6_PROGRAMS, IPV6_PROG_MASQUERADE),
     (TC_EGRESS, "tc_egress_node", MAP_NODE_PROGRAMS, NODE_PROG_EGRESS),
+    (TC_EGRESS, "tc_egress_node_flow", MAP_NODE_PROGRAMS, NODE_PROG_FLOW),
     (TC_TRACE, "tc_trace6", MAP_IPV6_PROGRAMS, IPV6_PROG_TRACE),
 ];
 
