@@ -26,6 +26,7 @@ use crate::{
     model::{ModelConfig, ObjectError},
     node_addrs::{self, NodeAddrs},
     reconciler::Reconciler,
+    root_lock,
     snat_ports,
     source::{Configured, Snapshot, Source, kube::{self as kube_source, KubeSource}, manifests::ManifestsSource},
 };
@@ -34,6 +35,8 @@ use crate::{
 const RETRY: Duration = Duration::from_secs(1);
 
 pub async fn run(args: RunArgs) -> Result<()> {
+    // Before anything is loaded or attached; held until the agent exits.
+    let _root_lock = root_lock::acquire(&args.bpffs_root)?;
     let node_name = match &args.node_name {
         Some(n) => n.clone(),
         None => nix::unistd::gethostname()?.to_string_lossy().into_owned(),

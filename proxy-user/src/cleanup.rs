@@ -5,8 +5,10 @@
 //! touched: only pins in `<root>/links` (a directory only the agent writes)
 //! and the maps the agent pins by name; anything else is reported and left.
 //!
-//! It refuses while another process (a running agent) has our maps or links
-//! open, and removes nothing then. The wait matters: bpffs drops an unpinned link only after an RCU grace
+//! It refuses while an agent holds the root's lock (root_lock), or another
+//! process (an agent of an older build, say) has our maps or links open, and
+//! removes nothing then; it holds the lock itself, so no agent starts under
+//! it. The wait matters: bpffs drops an unpinned link only after an RCU grace
 //! period and a deferred work item, so right after the unlink the program can
 //! still be on the hook. An operator who runs `cleanup` and then installs
 //! kube-proxy must not race our program.
@@ -30,6 +32,7 @@ use aya::{
 use crate::{
     attach::HOOKS,
     maps::{PINNED_MAPS, links_dir},
+    root_lock::{self, Lock},
 };
 
 const DETACH_TIMEOUT: Duration = Duration::from_secs(10);
@@ -48,6 +51,16 @@ pub fn cleanup(root: &Path) -> Result<()> {
         println!("nothing to clean: {} does not exist", root.display());
         return Ok(());
     }
+    let _lock = match root_lock::try_lock(root)? {
+        Lock::Taken(lock) => lock,
+        Lock::HeldBy(holder) => {
+            bail!("{holder} runs on --bpffs-root {}: stop the agent first (nothing was removed)", root.display())
+        }
+        Lock::Gone => {
+            println!("nothing to clean: {} does not exist", root.display());
+            return Ok(());
+        }
+    };
     let links = links_dir(root);
     let pins: Vec<(PathBuf, Option<LinkInfo>)> = std::fs::read_dir(&links)
         .into_iter()

@@ -82,7 +82,8 @@ pub struct RunArgs {
     /// interface, including ones that appear later.
     #[arg(long, value_delimiter = ',', value_name = "IFACE[,IFACE]")]
     pub devices: Option<Vec<String>>,
-    /// Where maps and links are pinned; one directory per agent instance.
+    /// Where maps and links are pinned. One agent per directory: a second
+    /// one on it refuses to start.
     #[arg(long, default_value = DEFAULT_BPFFS_ROOT)]
     pub bpffs_root: PathBuf,
     /// /healthz and /livez, with kube-proxy's JSON body.

@@ -18,6 +18,8 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use k8s_openapi::api::core::v1::Node;
 use serde::Serialize;
 
+use crate::http_server::{self, ConnectionLimit};
+
 /// kube-proxy's default: twice its 30 s sync period.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -131,17 +133,14 @@ async fn livez(State(h): State<Health>) -> (StatusCode, Json<Body>) {
     h.answer_at(SystemTime::now(), false)
 }
 
-/// Binds now (so a taken port fails the start), serves in the background.
+/// Binds now (so a taken port fails the start), serves in the background
+/// with the limits of http_server.
 pub async fn serve(addr: SocketAddr, health: Health) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let app = Router::new().route("/healthz", get(healthz)).route("/livez", get(livez)).with_state(health);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| anyhow::anyhow!("--healthz-bind-address {addr}: {e}"))?;
-    Ok(tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!("healthz server stopped: {e}");
-        }
-    }))
+    Ok(tokio::spawn(http_server::serve(listener, app, ConnectionLimit::default())))
 }
 
 #[cfg(test)]

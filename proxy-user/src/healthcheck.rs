@@ -5,6 +5,9 @@
 //! (and the proxy is healthy), 503 when not, with kube-proxy's JSON body.
 //! As kube-proxy, the servers listen on the node addresses
 //! `--node-port-addresses` selects, or on every address when it is empty.
+//! They serve with the limits of http_server, from one budget of
+//! connections for all of them: a Service more does not raise the agent's
+//! exposure, and an attack on them leaves /healthz its own budget.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -24,6 +27,7 @@ use tracing::{info, warn};
 
 use crate::{
     health::Health,
+    http_server::{self, ConnectionLimit},
     model::{self, ModelConfig, SERVICE_NAME_LABEL},
     source::Snapshot,
 };
@@ -107,11 +111,13 @@ pub struct HealthCheckServers {
     /// The addresses the running servers listen on.
     addresses: Vec<IpAddr>,
     servers: BTreeMap<u16, Server>,
+    /// Shared by every server.
+    connections: ConnectionLimit,
 }
 
 impl HealthCheckServers {
     pub fn new(health: Health) -> Self {
-        HealthCheckServers { health, addresses: Vec::new(), servers: BTreeMap::new() }
+        HealthCheckServers { health, addresses: Vec::new(), servers: BTreeMap::new(), connections: ConnectionLimit::default() }
     }
 
     pub fn ports(&self) -> Vec<u16> {
@@ -159,12 +165,7 @@ impl HealthCheckServers {
                         break;
                     }
                 };
-                let app = app.clone();
-                server.tasks.push(tokio::spawn(async move {
-                    if let Err(e) = axum::serve(listener, app).await {
-                        warn!(%addr, "healthCheckNodePort server stopped: {e}");
-                    }
-                }));
+                server.tasks.push(tokio::spawn(http_server::serve(listener, app.clone(), self.connections.clone())));
             }
             if server.tasks.len() < self.addresses.len() {
                 server.stop().await;

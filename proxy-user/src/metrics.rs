@@ -27,7 +27,11 @@ use prometheus_client::{
 };
 use proxy_common::{COUNTER_NAMES, Counter as DpCounter};
 
-use crate::{model::ObjectError, source::Snapshot};
+use crate::{
+    http_server::{self, ConnectionLimit},
+    model::ObjectError,
+    source::Snapshot,
+};
 
 /// The EndpointSlice annotation the endpoints controller sets to when the
 /// change it reflects happened (network programming latency starts there).
@@ -371,17 +375,14 @@ async fn scrape(State(m): State<Metrics>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body)
 }
 
-/// Binds now (so a taken port fails the start), serves in the background.
+/// Binds now (so a taken port fails the start), serves in the background
+/// with the limits of http_server.
 pub async fn serve(addr: SocketAddr, metrics: Metrics) -> Result<tokio::task::JoinHandle<()>> {
     let app = Router::new().route("/metrics", get(scrape)).with_state(metrics);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| anyhow::anyhow!("--metrics-bind-address {addr}: {e}"))?;
-    Ok(tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!("metrics server stopped: {e}");
-        }
-    }))
+    Ok(tokio::spawn(http_server::serve(listener, app, ConnectionLimit::default())))
 }
 
 #[cfg(test)]

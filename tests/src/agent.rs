@@ -116,6 +116,11 @@ impl Agent {
         })
     }
 
+    /// The agent's PID (`ip netns exec` execs it, so the child's own).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
     pub fn logs(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }

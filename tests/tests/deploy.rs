@@ -4,7 +4,9 @@
 //! DaemonSet's command line parses with the real CLI and its probes, mounts
 //! and ServiceAccount line up with it, and the capabilities it grants are
 //! enough to run the agent (TC programs and socket hooks) and none of them
-//! can be left out.
+//! can be left out. The container is bounded: a memory limit above the
+//! agent's measured use, a request to match, and the runtime's default
+//! seccomp filter.
 
 use std::{
     collections::BTreeSet,
@@ -234,6 +236,51 @@ fn daemon_set_runs_the_real_cli_like_kube_proxy() -> Result<()> {
     let sc = c.security_context.as_ref().unwrap();
     assert_ne!(sc.privileged, Some(true), "no blanket privileged");
     assert!(!added_caps(c)?.iter().any(|c| c == "sys_admin"), "CAP_SYS_ADMIN is not needed");
+    Ok(())
+}
+
+/// Peak RSS (171.6 MiB) plus BPF map memory (129.1 MiB) at 10 000 Services,
+/// as docs/benchmarks.md measured them: the limit must leave room above it.
+const MEASURED_AT_10K_SERVICES_MIB: f64 = 171.6 + 129.1;
+
+/// A memory quantity in MiB (the suffixes a manifest writer uses).
+fn mebibytes(q: &str) -> Result<f64> {
+    let units = [("Ki", 1.0 / 1024.0), ("Mi", 1.0), ("Gi", 1024.0), ("k", 1e3 / 1048576.0), ("M", 1e6 / 1048576.0), ("G", 1e9 / 1048576.0)];
+    let (number, scale) = units
+        .iter()
+        .find_map(|(suffix, scale)| q.strip_suffix(suffix).map(|n| (n, *scale)))
+        .unwrap_or((q, 1.0 / 1048576.0));
+    Ok(number.parse::<f64>().with_context(|| format!("memory quantity {q:?}"))? * scale)
+}
+
+#[test]
+fn daemon_set_bounds_memory_and_filters_syscalls() -> Result<()> {
+    let d = load_deploy()?;
+    let c = container(one(&d.daemon_sets, "DaemonSet")?)?;
+    let resources = c.resources.as_ref().context("no resources")?;
+    let memory = |what: &str, map: &Option<std::collections::BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>| {
+        map.as_ref().and_then(|m| m.get("memory")).map(|q| q.0.clone()).with_context(|| format!("no memory {what}"))
+    };
+    let limit = memory("limit", &resources.limits)?;
+    assert_eq!(memory("request", &resources.requests)?, limit, "the memory request matches the limit");
+    let mib = mebibytes(&limit)?;
+    assert!(
+        mib >= MEASURED_AT_10K_SERVICES_MIB * 1.5,
+        "memory limit {limit} leaves less than half again above the {MEASURED_AT_10K_SERVICES_MIB} MiB measured at 10 000 Services"
+    );
+
+    let seccomp = c.security_context.as_ref().and_then(|s| s.seccomp_profile.as_ref()).context("no seccompProfile on the container")?;
+    assert_eq!(seccomp.type_, "RuntimeDefault");
+    Ok(())
+}
+
+#[test]
+fn memory_quantities() -> Result<()> {
+    assert_eq!(mebibytes("512Mi")?, 512.0);
+    assert_eq!(mebibytes("2Gi")?, 2048.0);
+    assert_eq!(mebibytes("1048576")?, 1.0);
+    assert!((mebibytes("500M")? - 476.837).abs() < 0.001);
+    assert!(mebibytes("lots").is_err());
     Ok(())
 }
 
