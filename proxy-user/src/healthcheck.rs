@@ -26,9 +26,11 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use crate::{
+    endpoint_ips,
     health::Health,
     http_server::{self, ConnectionLimit},
     model::{self, ModelConfig, SERVICE_NAME_LABEL},
+    service_cidrs,
     source::Snapshot,
 };
 
@@ -38,7 +40,8 @@ pub struct Check {
     pub namespace: String,
     pub name: String,
     /// This node's ready endpoints of the Service, counted by address (an
-    /// endpoint serving several ports counts once).
+    /// endpoint serving several ports counts once; one the model refuses,
+    /// serving nothing, not at all).
     pub local_endpoints: usize,
 }
 
@@ -46,6 +49,7 @@ pub struct Check {
 /// by two Services (the API forbids it) goes to the first, by namespace/name.
 pub fn wanted(snap: &Snapshot, config: &ModelConfig) -> BTreeMap<u16, Check> {
     let mut out = BTreeMap::new();
+    let (cidrs, _) = service_cidrs::effective(&snap.service_cidrs, &config.service_cidrs);
     let mut services: Vec<_> = snap.services.iter().collect();
     services.sort_by(|a, b| {
         (a.metadata.namespace.as_deref(), a.metadata.name.as_deref()).cmp(&(b.metadata.namespace.as_deref(), b.metadata.name.as_deref()))
@@ -71,7 +75,8 @@ pub fn wanted(snap: &Snapshot, config: &ModelConfig) -> BTreeMap<u16, Check> {
                 // Ready only: a node with nothing but terminating endpoints must fail the check.
                 let flags = model::endpoint_flags(ep, config);
                 if flags & BACKEND_READY != 0 && flags & BACKEND_LOCAL != 0 {
-                    local.extend(ep.addresses.first().cloned());
+                    let addr = ep.addresses.first().and_then(|a| a.parse::<IpAddr>().ok());
+                    local.extend(addr.filter(|ip| endpoint_ips::refused(*ip, &cidrs).is_none()));
                 }
             }
         }
@@ -282,6 +287,16 @@ endpoints:
         assert_eq!(want, BTreeMap::from([(32000, check)]), "eTP=Cluster gets no check; terminating and remote endpoints do not count");
         assert_eq!(wanted(&snap, &cfg("node-b"))[&32000].local_endpoints, 1);
         assert_eq!(wanted(&snap, &cfg("node-c"))[&32000].local_endpoints, 0);
+    }
+
+    #[test]
+    fn endpoints_the_model_refuses_do_not_count() {
+        let yaml = services(32000).replace("[10.244.0.4]", "[127.0.0.1]").replace("[10.244.0.3]", "[10.96.0.3]");
+        let snap = Snapshot::from_yaml(&yaml);
+        assert_eq!(wanted(&snap, &cfg("node-a"))[&32000].local_endpoints, 1, "loopback is no endpoint");
+        let config = ModelConfig { service_cidrs: vec!["10.96.0.0/16".parse().unwrap()], ..cfg("node-b") };
+        assert_eq!(wanted(&snap, &config)[&32000].local_endpoints, 0, "nor is an address in a service CIDR");
+        assert_eq!(wanted(&snap, &cfg("node-b"))[&32000].local_endpoints, 1, "outside every service CIDR it is one");
     }
 
     /// GET over a real socket to 127.0.0.1: (status, headers and body).

@@ -3,7 +3,8 @@
 //! object: sources share unchanged objects between snapshots) are rebuilt,
 //! and the update says which map keys it touched, so the reconciler looks
 //! at those alone. The service CIDRs are a small part apart: recomputed
-//! whole at every update, and compared whole by every sync.
+//! whole at every update, and compared whole by every sync; as endpoints
+//! are checked against them, a change of them rebuilds everything.
 //! `model::build` is the reference it must always equal.
 
 use std::{
@@ -45,7 +46,8 @@ impl Touched {
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum Update {
-    /// Everything was rebuilt (first update, or the node or the config changed).
+    /// Everything was rebuilt (first update, or the node, the config or the
+    /// effective service CIDRs changed).
     Everything,
     Touched(Touched),
 }
@@ -162,12 +164,15 @@ impl Model {
     /// lookup per object, plus the work of what changed.
     pub fn update(&mut self, snapshot: &Snapshot, config: &ModelConfig) -> Update {
         let zone = topology::node_zone(snapshot.node.as_ref());
-        let everything = self.config.as_ref().is_none_or(|(c, z)| c != config || z != zone);
+        let (cidrs, cidr_errors) = service_cidrs::effective(&snapshot.service_cidrs, &config.service_cidrs);
+        // Every Service's endpoints are checked against the service CIDRs
+        // (`endpoint_ips`): when those change (rarely), all are rebuilt.
+        let everything =
+            self.config.as_ref().is_none_or(|(c, z)| c != config || z != zone) || cidrs != self.desired.service_cidrs;
         if everything {
             *self = Model { config: Some((config.clone(), zone.to_string())), ..Default::default() };
             self.keys.push("\0unlabelled".into());
         }
-        let (cidrs, cidr_errors) = service_cidrs::effective(&snapshot.service_cidrs, &config.service_cidrs);
         self.desired.service_cidrs = cidrs;
         self.service_cidr_errors = cidr_errors;
         self.generation += 1;
@@ -239,7 +244,8 @@ impl Model {
                 self.retract(&joined, &old, &mut touched);
             }
             if let Some(svc) = svcs.last() {
-                let (state, part_errors) = model::build_part(service_key, svc, &its_slices, config, zone);
+                let (state, part_errors) =
+                    model::build_part(service_key, svc, &its_slices, config, zone, &self.desired.service_cidrs);
                 let part = Part { state, errors: part_errors, created: precedence::created(svc) };
                 self.assert(&joined, &part, &mut touched);
                 self.parts.insert(joined, part);
@@ -378,7 +384,7 @@ mod tests {
 
     /// How many variants `service` and `slice` have.
     const SERVICE_VARIANTS: usize = 1440;
-    const SLICE_VARIANTS: usize = 32;
+    const SLICE_VARIANTS: usize = 96;
 
     /// Services svc0..svcN in two namespaces with contested frontends (shared
     /// ClusterIPs, ExternalIPs and LB IPs; an ExternalIP on another's
@@ -413,16 +419,25 @@ mod tests {
         )
     }
 
+    /// Slice `i` with up to three endpoints; in a third of the variants its
+    /// first endpoint is an address that can never be one, in another third
+    /// one inside a service CIDR some ServiceCIDR variant or the flag has
+    /// (refused while that CIDR is in effect, served otherwise).
     fn slice(i: usize, variant: usize) -> String {
         let ns = if i % 2 == 0 { "a" } else { "b" };
         let eps: String = (0..variant % 4)
             .map(|e| {
                 let ready = (variant + e) % 3 != 0;
                 let node = if e % 2 == 0 { "node-a" } else { "node-b" };
-                format!("- {{addresses: [10.244.0.{}], nodeName: {node}, conditions: {{ready: {ready}, serving: true, terminating: {}}}}}\n", (i + e) % 6 + 1, !ready)
+                let addr = match (e, variant / 32) {
+                    (0, 1) => ["127.0.0.1", "169.254.169.254", "224.0.0.1", "0.0.0.0", "255.255.255.255"][i % 5].to_string(),
+                    (0, 2) => ["10.96.0.7", "10.97.0.7", "172.30.0.7"][i % 3].to_string(),
+                    _ => format!("10.244.0.{}", (i + e) % 6 + 1),
+                };
+                format!("- {{addresses: [{addr}], nodeName: {node}, conditions: {{ready: {ready}, serving: true, terminating: {}}}}}\n", !ready)
             })
             .collect();
-        let headless = if variant / 8 == 0 { ", service.kubernetes.io/headless: ''" } else { "" };
+        let headless = if variant % 32 / 8 == 0 { ", service.kubernetes.io/headless: ''" } else { "" };
         format!(
             "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: svc{i}-s, namespace: {ns}, labels: {{kubernetes.io/service-name: svc{i}{headless}}}}}\n\
              addressType: IPv4\nports: [{{name: p, port: 8080}}]\nendpoints:\n{eps}"
@@ -492,6 +507,8 @@ mod tests {
         // Which contests the steps went through: (losing kind, winning kind).
         let mut contests: BTreeSet<(String, String)> = BTreeSet::new();
         let mut service_cidrs_seen: BTreeSet<BTreeSet<ipnet::IpNet>> = BTreeSet::new();
+        // Endpoint addresses the steps refused (true) and served (false).
+        let mut endpoint_checks: BTreeSet<(String, bool)> = BTreeSet::new();
         for step in 0..1500 {
             let i = next(N);
             match next(9) {
@@ -530,6 +547,10 @@ mod tests {
                     contests.extend(winner.map(|w| (loser.to_string(), w.to_string())));
                 }
             }
+            for e in want_errors.iter().filter(|e| e.reason.contains(" refused: ")) {
+                endpoint_checks.extend(e.reason.split_whitespace().nth(2).map(|addr| (addr.to_string(), true)));
+            }
+            endpoint_checks.extend(want.backends.keys().map(|(addr, ..)| (addr.to_string(), false)));
             assert_eq!(sorted(model.errors()), sorted(want_errors), "step {step}");
             by_full.sync(&want, &mut full_maps).unwrap();
             match &update {
@@ -558,9 +579,52 @@ mod tests {
             before = want;
         }
         assert!(service_cidrs_seen.len() >= 4, "ServiceCIDR variants seen: {service_cidrs_seen:?}");
+        for addr in ["127.0.0.1", "169.254.169.254", "224.0.0.1", "0.0.0.0", "255.255.255.255"] {
+            assert!(endpoint_checks.contains(&(addr.to_string(), true)), "{addr} never refused: {endpoint_checks:?}");
+            assert!(!endpoint_checks.contains(&(addr.to_string(), false)), "{addr} served");
+        }
+        // Addresses in a service CIDR: refused while it is in effect, served once it is not.
+        for addr in ["10.96.0.7", "10.97.0.7", "172.30.0.7"] {
+            for refused in [true, false] {
+                assert!(endpoint_checks.contains(&(addr.to_string(), refused)), "{addr} never refused={refused}: {endpoint_checks:?}");
+            }
+        }
         for (loser, winner) in [("ClusterIP", "ClusterIP"), ("ExternalIP", "ClusterIP"), ("NodePort", "ExternalIP"), ("ExternalIP", "ExternalIP"), ("LoadBalancer", "LoadBalancer")] {
             assert!(contests.contains(&(loser.to_string(), winner.to_string())), "no {loser} lost to a {winner}: {contests:?}");
         }
+    }
+
+    /// A ServiceCIDR that arrives later covers an endpoint served so far:
+    /// every Service is rebuilt and that endpoint refused, as a full build
+    /// refuses it; when the object goes, it is served again.
+    #[test]
+    fn a_service_cidr_that_comes_later_refuses_endpoints_inside_it() {
+        let svc = served_service(&service(0, 0)).unwrap();
+        let slice = served_slice(&slice(0, 11).replace("10.244.0.1]", "10.97.0.7]")).unwrap();
+        let config = ModelConfig { node_name: "node-a".into(), service_cidrs: vec!["172.30.0.0/16".parse().unwrap()], ..Default::default() };
+        let mut model = Model::default();
+        let mut snap = Snapshot { services: vec![svc], slices: vec![slice], ..Default::default() };
+        let endpoints = |m: &Model| m.desired().backends.keys().map(|(a, ..)| a.to_string()).collect::<Vec<_>>();
+        let step = |model: &mut Model, snap: &Snapshot| {
+            let update = model.update(snap, &config);
+            let (want, errors) = model::build(snap, &config);
+            assert_eq!(model.desired(), &want);
+            assert_eq!(model.errors(), errors);
+            update
+        };
+        assert_eq!(step(&mut model, &snap), Update::Everything);
+        assert_eq!(endpoints(&model), ["10.97.0.7", "10.244.0.3"]);
+        snap.service_cidrs = vec![service_cidr(0, 3).unwrap()];
+        assert_eq!(step(&mut model, &snap), Update::Everything);
+        assert_eq!(endpoints(&model), ["10.244.0.3"]);
+        let text: Vec<String> = model.errors().iter().map(ToString::to_string).collect();
+        assert_eq!(text, ["endpointslice a/svc0-s: endpoint address 10.97.0.7 refused: in service CIDR 10.97.0.0/16, which holds only ClusterIPs; skipped"]);
+        // Unchanged CIDRs from a new object: nothing rebuilt.
+        snap.service_cidrs = vec![service_cidr(0, 3).unwrap()];
+        assert_eq!(step(&mut model, &snap), Update::Touched(Touched::default()));
+        snap.service_cidrs.clear();
+        assert_eq!(step(&mut model, &snap), Update::Everything);
+        assert_eq!(endpoints(&model), ["10.97.0.7", "10.244.0.3"]);
     }
 
     #[test]

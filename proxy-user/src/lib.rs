@@ -7,6 +7,7 @@ pub mod cleanup;
 pub mod cli;
 pub mod clsact;
 pub mod dump;
+pub mod endpoint_ips;
 pub mod health;
 pub mod healthcheck;
 pub mod http_server;

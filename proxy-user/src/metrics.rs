@@ -174,7 +174,9 @@ pub fn classify(e: &ObjectError) -> (&'static str, &'static str) {
         _ => "other",
     };
     let r = e.reason.as_str();
-    let reason = if r.contains("invalid IP") || r.contains("invalid endpoint address") {
+    let reason = if r.contains("endpoint address") && r.contains(" refused: ") {
+        "invalid_endpoint"
+    } else if r.contains("invalid IP") || r.contains("invalid endpoint address") {
         "invalid_ip"
     } else if r.contains("invalid CIDR") {
         "invalid_cidr"
@@ -408,7 +410,7 @@ kind: EndpointSlice
 metadata: {name: web-1, namespace: a, labels: {kubernetes.io/service-name: web}}
 addressType: IPv4
 ports: [{name: c, port: 8080}]
-endpoints: [{addresses: [10.244.0.300]}, {addresses: [10.244.0.3]}]
+endpoints: [{addresses: [10.244.0.300]}, {addresses: [10.244.0.3]}, {addresses: [127.0.0.1]}]
 ---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
@@ -454,6 +456,8 @@ spec: {cidrs: [10.96.0.0/16, 10.96.0.0]}
             "{text}"
         );
         assert!(line(r#"ebpf_proxy_invalid_objects{kind="EndpointSlice",reason="invalid_ip"} 1"#).is_some(), "{text}");
+        assert!(line(r#"ebpf_proxy_invalid_objects{kind="EndpointSlice",reason="invalid_endpoint"} 1"#).is_some(), "{text}");
+        assert!(line(r#"ebpf_proxy_skipped_objects_total{kind="EndpointSlice",reason="invalid_endpoint"} 1"#).is_some(), "{text}");
         assert!(line(r#"ebpf_proxy_invalid_objects{kind="Service",reason="unknown_protocol"} 1"#).is_some(), "{text}");
         assert!(line(r#"ebpf_proxy_invalid_objects{kind="EndpointSlice",reason="missing_service"} 1"#).is_some(), "{text}");
         assert!(line(r#"ebpf_proxy_invalid_objects{kind="EndpointSlice",reason="duplicate"} 1"#).is_some(), "{text}");

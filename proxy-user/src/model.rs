@@ -23,6 +23,7 @@ use proxy_common::{
 };
 
 use crate::{
+    endpoint_ips,
     precedence::{self, Claim},
     service_cidrs,
     source::Snapshot,
@@ -222,18 +223,20 @@ pub fn orphan_slice(key: ServiceKey, slice: &EndpointSlice) -> ObjectError {
 }
 
 /// One Service's share of the desired state (its frontends, backend sets,
-/// ClusterIPs and source ranges; `backends` left empty) and what in it was skipped.
+/// ClusterIPs and source ranges; `backends` left empty) and what in it was
+/// skipped. `service_cidrs` are the effective ones: no endpoint is in them.
 pub fn build_part(
     key: ServiceKey,
     svc: &Service,
     slices: &[&Arc<EndpointSlice>],
     config: &ModelConfig,
     zone: &str,
+    service_cidrs: &BTreeSet<IpNet>,
 ) -> (DesiredState, Vec<ObjectError>) {
     let mut state = DesiredState::default();
     let mut errors = Vec::new();
     let slices: Vec<&EndpointSlice> = slices.iter().map(|s| &***s).collect();
-    let mut ctx = ServiceCtx { ns: key.0.to_string(), name: key.1.to_string(), zone, errors: &mut errors };
+    let mut ctx = ServiceCtx { ns: key.0.to_string(), name: key.1.to_string(), zone, service_cidrs, errors: &mut errors };
     build_service(svc, &slices, config, &mut ctx, &mut state);
     (state, errors)
 }
@@ -256,7 +259,7 @@ pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<Ob
     let mut contested: BTreeMap<FrontendKey, Vec<Claim>> = BTreeMap::new();
     for (key, svc) in &grouped.services {
         let slices = grouped.slices.get(key).map(Vec::as_slice).unwrap_or(&[]);
-        let (part, part_errors) = build_part(*key, svc, slices, config, zone);
+        let (part, part_errors) = build_part(*key, svc, slices, config, zone, &state.service_cidrs);
         errors.extend(part_errors);
         state.backend_sets.extend(part.backend_sets);
         state.source_ranges.extend(part.source_ranges);
@@ -293,6 +296,8 @@ struct ServiceCtx<'a> {
     name: String,
     /// This node's zone, for topology hints.
     zone: &'a str,
+    /// The effective service CIDRs, where no endpoint can be.
+    service_cidrs: &'a BTreeSet<IpNet>,
     errors: &'a mut Vec<ObjectError>,
 }
 
@@ -378,7 +383,7 @@ fn build_family(
             continue;
         };
         let service = ServicePortName { namespace: ctx.ns.clone(), name: ctx.name.clone(), port: port.name.clone().unwrap_or_default(), ipv6 };
-        let (all, hints) = select_endpoints(slices, &service.port, proto, ipv6, config, ctx.errors);
+        let (all, hints) = select_endpoints(slices, &service.port, proto, ipv6, config, ctx.service_cidrs, ctx.errors);
         let endpoints = categorize(&all, policy.uses_local(), &hints, &config.node_name, ctx.zone);
         let externally_accessible = port.node_port.is_some() || !external_ips.is_empty() || !lb_ips.is_empty();
 
@@ -586,13 +591,16 @@ fn categorize(
 }
 
 /// Every endpoint of a service port, once (by address and port), with its
-/// conditions as flags, and its topology hints; `categorize` decides which ones serve.
+/// conditions as flags, and its topology hints; `categorize` decides which
+/// ones serve. Addresses that cannot be endpoints (`endpoint_ips`) are
+/// skipped, the rest of their slice kept.
 fn select_endpoints(
     slices: &[&EndpointSlice],
     port_name: &str,
     proto: u8,
     ipv6: bool,
     config: &ModelConfig,
+    service_cidrs: &BTreeSet<IpNet>,
     errors: &mut Vec<ObjectError>,
 ) -> (Vec<DesiredBackend>, BTreeMap<(IpAddr, u16), Hints>) {
     let mut hints: BTreeMap<(IpAddr, u16), Hints> = BTreeMap::new();
@@ -624,18 +632,28 @@ fn select_endpoints(
         };
         for ep in &slice.endpoints {
             let Some(addr) = ep.addresses.first() else { continue };
+            // A bad address is reported once, not once per service port.
+            let mut skip = |reason: String| {
+                let error = ObjectError { object: slice_name(), reason };
+                if !errors.contains(&error) {
+                    errors.push(error);
+                }
+            };
             let addr = match addr.parse::<IpAddr>() {
                 Ok(ip) if ip.is_ipv6() == ipv6 => ip,
                 Ok(_) => {
-                    let reason = format!("endpoint address {addr} is not of the slice's addressType {}; skipped", slice.address_type);
-                    errors.push(ObjectError { object: slice_name(), reason });
+                    skip(format!("endpoint address {addr} is not of the slice's addressType {}; skipped", slice.address_type));
                     continue;
                 }
                 Err(_) => {
-                    errors.push(ObjectError { object: slice_name(), reason: format!("invalid endpoint address {addr:?}; skipped") });
+                    skip(format!("invalid endpoint address {addr:?}; skipped"));
                     continue;
                 }
             };
+            if let Some(why) = endpoint_ips::refused(addr, service_cidrs) {
+                skip(format!("endpoint address {addr} refused: {why}; skipped"));
+                continue;
+            }
             let backend = DesiredBackend { addr, port: port_num, proto, flags: endpoint_flags(ep, config) };
             let this_slice = slice.metadata.name.as_deref().unwrap_or("?");
             let first = *listed_in.entry((addr, port_num)).or_insert(this_slice);
@@ -966,6 +984,90 @@ endpoints:
             localhost_node_ports: false,
             service_cidrs: vec!["10.96.0.0/12".parse().unwrap()],
         }
+    }
+
+    /// A dual-stack Service whose slices hold, besides one pod each, every
+    /// kind of address that cannot be an endpoint; two ports, so a bad
+    /// address is reported once, not once per port.
+    const SPECIAL_ENDPOINTS: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  clusterIPs: [10.96.0.10, "fd00:10:96::10"]
+  ports: [{name: http, port: 80}, {name: dns, port: 53, protocol: UDP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-v4, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080}, {name: dns, port: 53, protocol: UDP}]
+endpoints:
+- {addresses: [127.0.0.1]}
+- {addresses: [169.254.169.254]}
+- {addresses: [224.0.0.251]}
+- {addresses: [0.0.0.0]}
+- {addresses: [255.255.255.255]}
+- {addresses: [10.96.0.99]}
+- {addresses: [10.244.0.11]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-v6, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv6
+ports: [{name: http, port: 8080}, {name: dns, port: 53, protocol: UDP}]
+endpoints:
+- {addresses: ["::1"]}
+- {addresses: ["fe80::1"]}
+- {addresses: ["ff02::fb"]}
+- {addresses: ["::"]}
+- {addresses: ["::ffff:127.0.0.1"]}
+- {addresses: ["fd00:10:244::11"]}
+"#;
+
+    #[test]
+    fn addresses_that_cannot_be_endpoints_are_skipped_and_the_rest_is_served() {
+        let (state, errors) = build(&Snapshot::from_yaml(SPECIAL_ENDPOINTS), &node_cfg());
+        let text: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        assert_eq!(text, [
+            "endpointslice shop/web-v4: endpoint address 127.0.0.1 refused: loopback (127.0.0.0/8, ::1); skipped",
+            "endpointslice shop/web-v4: endpoint address 169.254.169.254 refused: link-local (169.254.0.0/16, fe80::/10); skipped",
+            "endpointslice shop/web-v4: endpoint address 224.0.0.251 refused: multicast (224.0.0.0/4, ff00::/8); skipped",
+            "endpointslice shop/web-v4: endpoint address 0.0.0.0 refused: unspecified (0.0.0.0, ::); skipped",
+            "endpointslice shop/web-v4: endpoint address 255.255.255.255 refused: broadcast (255.255.255.255); skipped",
+            "endpointslice shop/web-v4: endpoint address 10.96.0.99 refused: in service CIDR 10.96.0.0/12, which holds only ClusterIPs; skipped",
+            "endpointslice shop/web-v6: endpoint address ::1 refused: loopback (127.0.0.0/8, ::1); skipped",
+            "endpointslice shop/web-v6: endpoint address fe80::1 refused: link-local (169.254.0.0/16, fe80::/10); skipped",
+            "endpointslice shop/web-v6: endpoint address ff02::fb refused: multicast (224.0.0.0/4, ff00::/8); skipped",
+            "endpointslice shop/web-v6: endpoint address :: refused: unspecified (0.0.0.0, ::); skipped",
+            "endpointslice shop/web-v6: endpoint address ::ffff:127.0.0.1 refused: IPv4-mapped (::ffff:0:0/96); skipped",
+        ]);
+        assert!(errors.iter().all(|e| crate::metrics::classify(e) == ("EndpointSlice", "invalid_endpoint")), "{errors:?}");
+        // The rest of each slice, and every port and frontend, still served.
+        assert_eq!(backends_of(&state, "shop/web:http"), ["10.244.0.11:8080"]);
+        assert_eq!(backends_of(&state, "shop/web:dns"), ["10.244.0.11:53"]);
+        assert_eq!(backends_of(&state, "shop/web:http (IPv6)"), ["fd00:10:244::11:8080"]);
+        assert_eq!(backends_of(&state, "shop/web:dns (IPv6)"), ["fd00:10:244::11:53"]);
+        assert_eq!(state.frontends.len(), 8, "two ports, two families, two scopes");
+        assert_eq!(state.backends.len(), 4);
+    }
+
+    #[test]
+    fn the_effective_service_cidrs_decide_which_endpoints_are_refused() {
+        // A ServiceCIDR object replaces the flag for endpoints as for drops:
+        // 10.96.0.99 is served, an endpoint in the object's CIDR is not.
+        let yaml = format!(
+            "{}---\napiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: kubernetes}}\nspec: {{cidrs: [10.200.0.0/16]}}\n",
+            SPECIAL_ENDPOINTS.replace("- {addresses: [127.0.0.1]}", "- {addresses: [10.200.0.5]}")
+        );
+        let (state, errors) = build(&Snapshot::from_yaml(&yaml), &node_cfg());
+        assert_eq!(backends_of(&state, "shop/web:http"), ["10.96.0.99:8080", "10.244.0.11:8080"]);
+        assert!(errors.iter().any(|e| e.reason.starts_with("endpoint address 10.200.0.5 refused: in service CIDR 10.200.0.0/16")), "{errors:?}");
+        assert!(!errors.iter().any(|e| e.reason.contains("10.96.0.99")), "{errors:?}");
+        // Without any service CIDR, only the special addresses are refused.
+        let config = ModelConfig { service_cidrs: vec![], ..node_cfg() };
+        let (state, _) = build(&Snapshot::from_yaml(SPECIAL_ENDPOINTS), &config);
+        assert_eq!(backends_of(&state, "shop/web:http"), ["10.96.0.99:8080", "10.244.0.11:8080"]);
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! and a 410 Gone sent as a real apiserver sends it — an ERROR event inside a
 //! 200 watch stream — after which the relist drops objects deleted meanwhile.
 //! ServiceCIDRs are watched where the server has them, and a server without
-//! them (or one that forbids them) is asked once. Every request is checked
+//! them (or one that forbids them) is asked once. An outage is retried
+//! within a second, on tokio's paused clock. Every request is checked
 //! against `rbac::API_ACCESS`.
 
 use std::{
@@ -27,6 +28,7 @@ use proxy_user::{
     source::{
         Snapshot, Source,
         kube::{KubeSource, PROXY_LABEL_SELECTOR},
+        retry::{RETRY_MAX, RETRY_MIN},
     },
 };
 use serde_json::{Value, json};
@@ -38,13 +40,15 @@ type Body = StreamBody<mpsc::UnboundedReceiver<Chunk>>;
 const NODE: &str = "node-a";
 const TIMEOUT: Duration = Duration::from_secs(20);
 
-/// One request the source made, as RBAC sees it.
+/// One request the source made, as RBAC sees it, when, and the answer's status.
 #[derive(Debug, Clone)]
 struct Recorded {
     group: String,
     resource: String,
     verb: String,
     query: BTreeMap<String, String>,
+    at: tokio::time::Instant,
+    code: u16,
 }
 
 struct OpenWatch {
@@ -125,7 +129,9 @@ impl FakeApi {
         let api = self.clone();
         tokio::spawn(async move {
             while let Some((req, send)) = handle.next_request().await {
-                send.send_response(api.answer(&req));
+                let response = api.answer(&req);
+                api.0.lock().unwrap().requests.last_mut().expect("recorded").code = response.status().as_u16();
+                send.send_response(response);
             }
         });
     }
@@ -153,7 +159,14 @@ impl FakeApi {
         };
         assert_eq!(req.method(), http::Method::GET, "{path}");
         let mut st = self.0.lock().unwrap();
-        st.requests.push(Recorded { group: group.into(), resource: resource.clone(), verb: verb.into(), query: query.clone() });
+        st.requests.push(Recorded {
+            group: group.into(),
+            resource: resource.clone(),
+            verb: verb.into(),
+            query: query.clone(),
+            at: tokio::time::Instant::now(),
+            code: 0,
+        });
         match st.refused.get(&resource) {
             // What an apiserver without the resource answers: plain text, no Status.
             Some(404) => {
@@ -619,6 +632,75 @@ async fn an_api_that_cannot_say_whether_it_serves_service_cidrs_is_asked_again()
     let snap = wait_for(&mut rx, "the initial list", |_| true).await;
     assert_eq!(cidr_names(&snap), ["kubernetes"], "served once the API answered");
     assert!(asked() >= 2);
+    drop(rx);
+    tokio::time::timeout(TIMEOUT, source).await.expect("the source stops when nobody listens").unwrap().unwrap();
+}
+
+/// The times of the slice watches the API answered with `code`.
+fn slice_watches(api: &FakeApi, code: u16) -> Vec<tokio::time::Instant> {
+    api.requests().iter().filter(|r| r.resource == "endpointslices" && r.verb == "watch" && r.code == code).map(|r| r.at).collect()
+}
+
+/// Waits until the API has answered `n` slice watches with `code`; their times.
+async fn slice_watches_answered(api: &FakeApi, code: u16, n: usize) -> Vec<tokio::time::Instant> {
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    while slice_watches(api, code).len() < n {
+        assert!(tokio::time::Instant::now() < deadline, "{} slice watches answered {code}", slice_watches(api, code).len());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    slice_watches(api, code)
+}
+
+/// The waits between consecutive tries.
+fn gaps(times: &[tokio::time::Instant]) -> Vec<Duration> {
+    times.windows(2).map(|w| w[1] - w[0]).collect()
+}
+
+/// The paused clock's timer ticks in milliseconds: a wait shows up to one later.
+const TICK: Duration = Duration::from_millis(2);
+
+#[tokio::test(start_paused = true)]
+async fn after_an_outage_the_watch_resumes_within_a_second_and_its_backoff_starts_over() {
+    let api = FakeApi::default();
+    api.refuse("servicecidrs", 404);
+    api.apply("services", service("web", "10.96.0.10", json!({})));
+    api.apply("endpointslices", slice("web-1", "web", &["10.244.0.11"]));
+    api.apply("nodes", node(NODE, "zone-a"));
+    let (source, mut rx) = start_source(&api);
+    wait_for(&mut rx, "the initial list", |_| true).await;
+    api.wait_watching("endpointslices").await;
+
+    // The API goes away for slices: the open watch ends, every new one fails.
+    api.refuse("endpointslices", 503);
+    api.end_watches("endpointslices");
+    let failed = slice_watches_answered(&api, 503, 12).await;
+    // The least wait first, then growing to the cap, never past it however
+    // long the outage (kube-rs's default would be at 30 s by now).
+    let waits = gaps(&failed);
+    assert!((RETRY_MIN..2 * RETRY_MIN + TICK).contains(&waits[0]), "{waits:?}");
+    assert!(waits[1..].iter().all(|w| (RETRY_MAX..2 * RETRY_MAX + TICK).contains(w)), "{waits:?}");
+
+    // The API answers again: the next try, at most a cap later, resumes the watch.
+    let back = tokio::time::Instant::now();
+    api.admit("endpointslices");
+    let resumed = slice_watches_answered(&api, 200, 2).await[1];
+    assert!(resumed - back < 2 * RETRY_MAX + TICK, "resumed {:?} after the API answered", resumed - back);
+
+    // That watch started (no event yet, so kube-rs saw nothing to reset on)
+    // and then failed: its next wait is the least again, not the cap.
+    api.refuse("endpointslices", 503);
+    api.end_watches("endpointslices");
+    let failed = slice_watches_answered(&api, 503, failed.len() + 3).await;
+    let waits = gaps(&failed[failed.len() - 3..]);
+    assert!((RETRY_MIN..2 * RETRY_MIN + TICK).contains(&waits[0]), "{waits:?}");
+    assert!((RETRY_MAX..2 * RETRY_MAX + TICK).contains(&waits[1]), "{waits:?}");
+
+    // Back for good: changes flow again.
+    api.admit("endpointslices");
+    api.wait_watching("endpointslices").await;
+    api.apply("endpointslices", slice("web-1", "web", &["10.244.0.12"]));
+    wait_for(&mut rx, "a change after the outage", |s| slice_ips(s, "web-1") == ["10.244.0.12"]).await;
+    assert!(!source.is_finished(), "the source keeps running through an outage");
     drop(rx);
     tokio::time::timeout(TIMEOUT, source).await.expect("the source stops when nobody listens").unwrap().unwrap();
 }

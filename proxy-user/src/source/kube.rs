@@ -4,9 +4,10 @@
 //! keeps its own store; a snapshot of them all is published once every
 //! store has had its first complete list, and again after each change. A
 //! watch that expires (410 Gone) makes the watcher relist, and the relist
-//! replaces its store, so objects deleted meanwhile go away.
+//! replaces its store, so objects deleted meanwhile go away. Errors are
+//! retried within a second (`retry`).
 
-use std::{collections::BTreeMap, path::Path, pin::Pin, sync::Arc, time::Duration};
+use std::{collections::BTreeMap, path::Path, pin::Pin, sync::Arc};
 
 use anyhow::{Context, Result};
 use futures::{Stream, StreamExt};
@@ -26,7 +27,10 @@ use kube::{
 };
 use tracing::{debug, info, warn};
 
-use super::{Snapshot, SnapshotSender, Source};
+use super::{
+    Snapshot, SnapshotSender, Source,
+    retry::{self, Retry},
+};
 
 /// kube-proxy's selector for Services and EndpointSlices
 /// (cmd/kube-proxy/app/server.go): nothing another proxy owns
@@ -148,19 +152,18 @@ fn node_identity(node: Node) -> Node {
     }
 }
 
-/// A watcher stream that retries with kube-rs's default backoff; its errors
+/// A watcher stream on every `K` that retries after `retry`'s backoff,
+/// started over whenever one of its own calls succeeds; its errors
 /// (expired watches, API outages) are reported and the stream goes on.
-fn watch<K>(api: Api<K>, config: watcher::Config) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
+fn watch<K>(client: Client, config: watcher::Config) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
 where
-    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+    K: Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
 {
-    watcher(api, config).default_backoff()
+    let (client, answers) = retry::answering(client);
+    watcher(Api::<K>::all(client), config).backoff(Retry::new(answers))
 }
 
 type EventStream<K> = Pin<Box<dyn Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send>>;
-
-/// The longest wait between two tries of `serves_service_cidrs`.
-const PROBE_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// Whether to watch ServiceCIDRs (`networking.k8s.io/v1`, Kubernetes 1.33+),
 /// by a one-object list: 404 means the server has no such resource (older
@@ -170,7 +173,7 @@ const PROBE_BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// and guessing would either never list or watch a resource forever.
 async fn serves_service_cidrs(client: &Client) -> bool {
     let api = Api::<ServiceCIDR>::all(client.clone());
-    let mut backoff = Duration::from_secs(1);
+    let mut backoff = retry::backoff();
     loop {
         match api.list(&ListParams::default().limit(1)).await {
             Ok(_) => {
@@ -190,9 +193,9 @@ async fn serves_service_cidrs(client: &Client) -> bool {
                 return false;
             }
             Err(e) => {
-                warn!("cannot ask the API whether it serves ServiceCIDRs, retrying in {backoff:?}: {e}");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(PROBE_BACKOFF_MAX);
+                let wait = backoff.next().unwrap_or(retry::RETRY_MAX);
+                warn!("cannot ask the API whether it serves ServiceCIDRs, retrying in {wait:?}: {e}");
+                tokio::time::sleep(wait).await;
             }
         }
     }
@@ -215,13 +218,13 @@ impl Source for KubeSource {
             _ = updates.closed() => return Ok(()),
         };
         let (mut cidrs, mut cidr_store): (EventStream<ServiceCIDR>, _) = if served {
-            (Box::pin(watch(Api::<ServiceCIDR>::all(self.client.clone()), watcher::Config::default())), Store::new())
+            (Box::pin(watch(self.client.clone(), watcher::Config::default())), Store::new())
         } else {
             (Box::pin(futures::stream::pending()), Store::unserved())
         };
-        let mut services = Box::pin(watch(Api::<Service>::all(self.client.clone()), selector.clone()));
-        let mut slices = Box::pin(watch(Api::<EndpointSlice>::all(self.client.clone()), selector));
-        let mut nodes = Box::pin(watch(Api::<Node>::all(self.client.clone()), node_selector));
+        let mut services = Box::pin(watch::<Service>(self.client.clone(), selector.clone()));
+        let mut slices = Box::pin(watch::<EndpointSlice>(self.client.clone(), selector));
+        let mut nodes = Box::pin(watch::<Node>(self.client.clone(), node_selector));
 
         let mut service_store = Store::<Service>::new();
         let mut slice_store = Store::<EndpointSlice>::new();
@@ -281,8 +284,8 @@ fn handle<K: Resource + Clone + ResourceExt>(
             Ok(store.apply(ev))
         }
         Some(Err(e)) => {
-            // The watcher relists or rewatches by itself, after a backoff;
-            // what is served stays as it is meanwhile.
+            // The watcher relists or rewatches by itself, after `retry`'s
+            // backoff; what is served stays as it is meanwhile.
             warn!(resource = what, "watch interrupted, resuming: {e}");
             Ok(false)
         }

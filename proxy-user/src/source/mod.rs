@@ -4,6 +4,7 @@
 
 pub mod kube;
 pub mod manifests;
+pub mod retry;
 
 use std::sync::Arc;
 
