@@ -15,8 +15,8 @@ use proxy_common::{Addr, IPPROTO_SCTP, IPPROTO_UDP, csum};
 use crate::{parse::Packet, sctp};
 
 const IP_CSUM_OFF: usize = 10;
-const IP_SRC_OFF: usize = 12;
-const IP_DST_OFF: usize = 16;
+pub const IP_SRC_OFF: usize = 12;
+pub const IP_DST_OFF: usize = 16;
 
 /// Client -> frontend becomes client -> backend.
 #[inline(always)]

@@ -13,12 +13,14 @@ use aya_ebpf::{
 };
 use proxy_common::Counter;
 
-use crate::{maps::FIB_SCRATCH, parse};
+use crate::{
+    maps::FIB_SCRATCH,
+    nat::{IP_DST_OFF, IP_SRC_OFF},
+    parse,
+    reject::ETH_ALEN,
+};
 
 const AF_INET: u8 = 2;
-const IP_SRC_OFF: usize = 12;
-const IP_DST_OFF: usize = 16;
-const ETH_ALEN: usize = 6;
 
 /// Redirects the IPv4 packet at `l3_off` to the interface the FIB routes its
 /// (already translated) destination through. `Err` with the counter to note

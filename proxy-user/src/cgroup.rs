@@ -147,6 +147,12 @@ fn host_netns(ebpf: &mut Ebpf) -> Result<Array<&mut MapData, u64>> {
     Ok(Array::try_from(map)?)
 }
 
+/// Whether this kernel tells a socket its network namespace's cookie
+/// (SO_NETNS_COOKIE, Linux 5.14); without it the agent probes (see above).
+pub fn has_so_netns_cookie() -> bool {
+    UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).is_ok_and(|s| getsockopt_u64(&s, libc::SO_NETNS_COOKIE).is_ok())
+}
+
 fn getsockopt_u64(socket: &UdpSocket, option: libc::c_int) -> std::io::Result<u64> {
     let mut value = 0u64;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;

@@ -250,7 +250,7 @@ fn pods_left_to_tc(how: &str) -> Result<()> {
     let mut agent = Agent::start_wrapped(&node.ns, &["env", &env], dir.path(), &root, &["--cluster-cidr", "10.244.0.0/16"])?;
     agent.wait_healthy(&node.ns, TIMEOUT)?;
     // Without SO_NETNS_COOKIE (before Linux 5.14) the agent probes anyway.
-    let learned = if has_so_netns_cookie() { how } else { "probe" };
+    let learned = if proxy_user::cgroup::has_so_netns_cookie() { how } else { "probe" };
     assert!(agent.logs().contains(&format!("learned_by=\"{learned}\"")), "the agent learned its netns otherwise:\n{}", agent.logs());
 
     let local = proxy_tests::echo::tcp_request_from(&client.ns, None, "127.0.0.1:30080".parse()?, Duration::from_secs(2));
@@ -272,14 +272,3 @@ fn pods_left_to_tc(how: &str) -> Result<()> {
     Ok(())
 }
 
-/// Whether this kernel has getsockopt(SO_NETNS_COOKIE) (Linux 5.14).
-fn has_so_netns_cookie() -> bool {
-    let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("a UDP socket");
-    let mut cookie = 0u64;
-    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-    // SAFETY: cookie and len are valid and sized for a u64.
-    let rc = unsafe {
-        libc::getsockopt(std::os::fd::AsRawFd::as_raw_fd(&socket), libc::SOL_SOCKET, libc::SO_NETNS_COOKIE, (&raw mut cookie).cast(), &mut len)
-    };
-    rc == 0
-}
