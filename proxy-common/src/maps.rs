@@ -203,6 +203,14 @@ pub const CT_CLOSING: u8 = 1 << 1;
 /// at TC egress. Its replies are delivered locally, with no egress after
 /// ingress: ingress rewrites their source back to the frontend too.
 pub const CT_NODE: u8 = 1 << 2;
+/// A `CT_NODE` flow met at loopback's egress: its frontend is one of the
+/// node's own addresses (a NodePort on the node's IP). Its replies, whose
+/// source becomes that address again, go back in through loopback: Linux
+/// drops a packet from one of its own addresses arriving on any other
+/// interface (a martian source).
+pub const CT_LOOPBACK: u8 = 1 << 3;
+/// Loopback's interface index, the same in every network namespace.
+pub const LOOPBACK_IFINDEX: u32 = 1;
 pub const CT_CLOSING_TIMEOUT_NS: u64 = 10_000_000_000;
 /// A closed masqueraded TCP flow's SNAT tuple (node address and port,
 /// backend) goes to no other client for this long after its last packet:
@@ -433,6 +441,16 @@ pub const NODE_PROG_EGRESS: u32 = 0;
 pub const NODE_PROG_INGRESS_REPLY: u32 = 1;
 pub const NODE_PROG_FLOW: u32 = 2;
 pub const NODE_PROG_COUNT: u32 = 3;
+
+/// The same for IPv6: `tc_egress6` hands a node socket's IPv6 packets to
+/// `tc_egress_node6` (and on to `tc_egress_node_flow6`), `tc_ingress6`
+/// their replies to `tc_ingress_node_reply6`. A map of its own, so the agent that pinned
+/// NODE_PROGRAMS with three slots can be upgraded in place.
+pub const MAP_NODE6_PROGRAMS: &str = "NODE6_PROGRAMS";
+pub const NODE6_PROG_EGRESS: u32 = 0;
+pub const NODE6_PROG_INGRESS_REPLY: u32 = 1;
+pub const NODE6_PROG_FLOW: u32 = 2;
+pub const NODE6_PROG_COUNT: u32 = 3;
 
 pub const COUNTER_NAMES: [&str; 24] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",

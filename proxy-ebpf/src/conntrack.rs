@@ -7,7 +7,7 @@ use aya_ebpf::{
     helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
 };
 use proxy_common::{
-    Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_REPLY,
+    Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_LOOPBACK, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_REPLY,
     CT_SNAT_TIME_WAIT_NS, CtEntry, CtKey, ServiceEntry,
 };
 
@@ -98,7 +98,7 @@ pub fn create(
         created_ns: now,
         last_seen_ns: now,
         // A node client's replies are rewritten whole at ingress.
-        flags: flags & CT_NODE,
+        flags: flags & (CT_NODE | CT_LOOPBACK),
         ..Default::default()
     };
     // The reply entry first, so a reply can never miss its translation.
@@ -172,7 +172,7 @@ pub fn claim_snat_reply(snat_key: &CtKey, plain_reply: &CtEntry, client: &Addr, 
     let entry = CtEntry {
         rev_addr: *client,
         rev_port: client_port,
-        flags: CT_MASQUERADE | (plain_reply.flags & CT_NODE),
+        flags: CT_MASQUERADE | (plain_reply.flags & (CT_NODE | CT_LOOPBACK)),
         created_ns: now,
         last_seen_ns: now,
         ..*plain_reply

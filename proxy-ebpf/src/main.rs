@@ -44,15 +44,16 @@ mod program {
     };
     use aya_ebpf::{bindings::BPF_F_INGRESS, helpers::bpf_redirect};
     use proxy_common::{
-        CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_REPLY, Counter, IPPROTO_TCP, IPV6_PROG_EGRESS, IPV6_PROG_INGRESS,
-        IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, MASQUERADE_MARK, NODE_PROG_EGRESS, NODE_PROG_FLOW, NODE_PROG_INGRESS_REPLY, REVERSE_NAT_MARK, SCOPE_INTERNAL,
-        SVC_DROP_IF_EMPTY, SVC_MASQUERADE, SVC_SOURCE_RANGES,
+        CT_LOOPBACK, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_REPLY, Counter, IPPROTO_TCP, IPV6_PROG_EGRESS,
+        IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, LOOPBACK_IFINDEX, MASQUERADE_MARK, NODE_PROG_EGRESS,
+        NODE_PROG_FLOW, NODE_PROG_INGRESS_REPLY, NODE6_PROG_EGRESS, NODE6_PROG_FLOW, NODE6_PROG_INGRESS_REPLY,
+        REVERSE_NAT_MARK, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE, SVC_SOURCE_RANGES,
     };
 
     use crate::{
         conntrack,
         lb::{self, Miss},
-        maps::{IPV6_PROGRAMS, NODE_PROGRAMS, count},
+        maps::{IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, count},
         masquerade, nat, nat6, parse, parse6, reject, reject6, route, skb, sock, trace,
     };
 
@@ -120,9 +121,13 @@ mod program {
                     if !TRACE {
                         conntrack::touch(ct, pkt.closes_connection());
                     }
-                    if !V6 && !TRACE && ct.flags & CT_NODE != 0 {
-                        // To a node socket: tc_ingress_node_reply.
-                        let _ = unsafe { NODE_PROGRAMS.tail_call(ctx, NODE_PROG_INGRESS_REPLY) };
+                    if !TRACE && ct.flags & CT_NODE != 0 {
+                        // To a node socket: tc_ingress_node_reply(6).
+                        let _ = if V6 {
+                            unsafe { NODE6_PROGRAMS.tail_call(ctx, NODE6_PROG_INGRESS_REPLY) }
+                        } else {
+                            unsafe { NODE_PROGRAMS.tail_call(ctx, NODE_PROG_INGRESS_REPLY) }
+                        };
                         note::<TRACE>(Counter::RewriteFailed);
                         return DROP;
                     }
@@ -200,7 +205,13 @@ mod program {
         let masquerade = NODE || service.flags & SVC_MASQUERADE != 0 || backend.addr == pkt.tuple.src;
         trace::record::<TRACE>(service.service_id, backend_id, scope as u32);
         if !TRACE {
-            let ct_flags = if masquerade { CT_MASQUERADE } else { 0 } | if NODE { CT_NODE } else { 0 };
+            let mut ct_flags = if masquerade { CT_MASQUERADE } else { 0 };
+            if NODE {
+                ct_flags |= CT_NODE;
+                if skb::ifindex(ctx) == LOOPBACK_IFINDEX {
+                    ct_flags |= CT_LOOPBACK;
+                }
+            }
             if conntrack::create(&pkt.tuple, &service, backend_id, &backend, ct_flags, epoch).is_err() {
                 count(Counter::CtFull);
             }
@@ -261,19 +272,17 @@ mod program {
             if !skb::from_local_socket(ctx) {
                 return NOT_OURS;
             }
-            if !V6 {
-                if skb::is_ipv6(ctx) {
-                    return if masquerade::node_flows_armed() { to_ipv6::<false>(ctx, IPV6_PROG_EGRESS) } else { NOT_OURS };
-                }
-                // IPv4: tc_egress_node and tc_egress_node_flow, each with a
-                // stack of its own (inline, egress's would pass what older
-                // verifiers allow).
-                let _ = unsafe { NODE_PROGRAMS.tail_call(ctx, NODE_PROG_EGRESS) };
-                return NOT_OURS;
+            if !V6 && skb::is_ipv6(ctx) {
+                return to_ipv6::<false>(ctx, IPV6_PROG_EGRESS);
             }
-            if masquerade::node_flows_armed() {
-                return node_flow::<V6>(ctx);
-            }
+            // tc_egress_node(6) (and tc_egress_node_flow), each with a stack
+            // of its own (inline, egress's would pass what older verifiers
+            // allow).
+            let _ = if V6 {
+                unsafe { NODE6_PROGRAMS.tail_call(ctx, NODE6_PROG_EGRESS) }
+            } else {
+                unsafe { NODE_PROGRAMS.tail_call(ctx, NODE_PROG_EGRESS) }
+            };
             return NOT_OURS;
         }
         if !V6 && skb::is_ipv6(ctx) {
@@ -313,30 +322,75 @@ mod program {
     /// accept beside the reject subprogram (Linux 6.1: 256 bytes).
     #[classifier]
     pub fn tc_ingress_node_reply(ctx: TcContext) -> i32 {
-        let Ok(pkt) = parse::parse(&ctx) else { return NOT_OURS };
+        node_reply::<false>(&ctx)
+    }
+
+    /// `tc_ingress_node_reply` for IPv6, from `tc_ingress6`.
+    #[classifier]
+    pub fn tc_ingress_node_reply6(ctx: TcContext) -> i32 {
+        node_reply::<true>(&ctx)
+    }
+
+    #[inline(always)]
+    fn node_reply<const V6: bool>(ctx: &TcContext) -> i32 {
+        let parsed = if V6 { parse6::parse(ctx) } else { parse::parse(ctx) };
+        let Ok(pkt) = parsed else { return NOT_OURS };
         let Some(ct) = conntrack::lookup(&pkt.tuple).filter(|ct| ct.direction == CT_REPLY && ct.flags & CT_NODE != 0) else {
             return NOT_OURS;
         };
         let ct = *ct;
         let mut done = Ok(());
         if ct.flags & CT_MASQUERADE != 0 {
-            done = nat::rewrite_dst(&ctx, &pkt, &ct.rev_addr, ct.rev_port);
+            done = nat::rewrite_dst(ctx, &pkt, &ct.rev_addr, ct.rev_port);
         }
-        let done = done.and_then(|()| nat::rewrite_src(&ctx, &pkt, &ct.nat_addr, ct.nat_port));
-        verdict::<false>(done, Counter::Reply)
+        let done = done.and_then(|()| nat::rewrite_src(ctx, &pkt, &ct.nat_addr, ct.nat_port));
+        match verdict::<false>(done, Counter::Reply) {
+            ok if ok == TC_ACT_OK as i32 && ct.flags & CT_LOOPBACK != 0 => to_loopback(ctx),
+            verdict => verdict,
+        }
+    }
+
+    /// Delivers the packet as if it had come through loopback: addressed to
+    /// loopback's all-zero MAC, or the stack would take it for another
+    /// host's.
+    #[inline(always)]
+    fn to_loopback(ctx: &TcContext) -> i32 {
+        if ctx.store(0, &[0u8; 6], 0).is_err() {
+            note::<false>(Counter::RewriteFailed);
+            return DROP;
+        }
+        unsafe { bpf_redirect(LOOPBACK_IFINDEX, BPF_F_INGRESS as u64) as i32 }
     }
 
     /// A node socket's IPv4 packet, from `tc_egress` by tail call: see
     /// `node_to_service`.
     #[classifier]
     pub fn tc_egress_node(ctx: TcContext) -> i32 {
-        if let Some(done) = node_to_service(&ctx) {
+        if let Some(done) = node_to_service::<false>(&ctx) {
             return done;
         }
         if masquerade::node_flows_armed() {
             let _ = unsafe { NODE_PROGRAMS.tail_call(&ctx, NODE_PROG_FLOW) };
         }
         NOT_OURS
+    }
+
+    /// `tc_egress_node` for IPv6, from `tc_egress6`.
+    #[classifier]
+    pub fn tc_egress_node6(ctx: TcContext) -> i32 {
+        if let Some(done) = node_to_service::<true>(&ctx) {
+            return done;
+        }
+        if masquerade::node_flows_armed() {
+            let _ = unsafe { NODE6_PROGRAMS.tail_call(&ctx, NODE6_PROG_FLOW) };
+        }
+        NOT_OURS
+    }
+
+    /// `tc_egress_node_flow` for IPv6, from `tc_egress_node6`.
+    #[classifier]
+    pub fn tc_egress_node_flow6(ctx: TcContext) -> i32 {
+        node_flow::<true>(&ctx)
     }
 
     /// A node socket's IPv4 connection that may have met a masqueraded
@@ -351,9 +405,17 @@ mod program {
     /// or SCTP's (the hooks never see its connect). Translated as kube-proxy's
     /// OUTPUT chain translates it, then sent on towards the backend, whose
     /// interface's egress masquerades it. None: not such a packet.
+    ///
+    /// A packet from a loopback address is left alone: its reply would come
+    /// back on another interface to a loopback address, which Linux drops
+    /// as a martian (kube-proxy sets route_localnet for that; we don't).
     #[inline(always)]
-    fn node_to_service(ctx: &TcContext) -> Option<i32> {
-        let pkt = parse::parse(ctx).ok()?;
+    fn node_to_service<const V6: bool>(ctx: &TcContext) -> Option<i32> {
+        let parsed = if V6 { parse6::parse(ctx) } else { parse::parse(ctx) };
+        let pkt = parsed.ok()?;
+        if is_loopback::<V6>(&pkt.tuple.src) {
+            return None;
+        }
         if let Some(ct) = conntrack::lookup_flow(&pkt) {
             // Another flow's entry (a forwarded client's reply tuple): not ours.
             if ct.flags & CT_NODE == 0 || ct.direction != CT_ORIGINAL {
@@ -363,24 +425,30 @@ mod program {
                 conntrack::touch(ct, pkt.closes_connection());
                 set_mark(ctx, MASQUERADE_MARK);
                 let done = nat::rewrite_dst(ctx, &pkt, &ct.nat_addr, ct.nat_port);
-                return Some(forward(ctx, &pkt, verdict::<false>(done, Counter::Established)));
+                return Some(forward::<V6>(ctx, &pkt, verdict::<false>(done, Counter::Established)));
             }
         }
         // New, or its backend went away.
-        match new_flow::<false, false, true>(ctx, &pkt) {
+        match new_flow::<false, V6, true>(ctx, &pkt) {
             NOT_OURS => None,
-            verdict => Some(forward(ctx, &pkt, verdict)),
+            verdict => Some(forward::<V6>(ctx, &pkt, verdict)),
         }
+    }
+
+    /// 127.0.0.0/8 or ::1.
+    #[inline(always)]
+    fn is_loopback<const V6: bool>(addr: &proxy_common::Addr) -> bool {
+        if V6 { *addr == proxy_common::Addr(core::net::Ipv6Addr::LOCALHOST.octets()) } else { addr.0[12] == 127 }
     }
 
     /// A node packet's verdict at egress: translated (TC_ACT_OK), it goes on
     /// towards its backend; dropped or rejected, as it is.
     #[inline(always)]
-    fn forward(ctx: &TcContext, pkt: &parse::Packet, verdict: i32) -> i32 {
+    fn forward<const V6: bool>(ctx: &TcContext, pkt: &parse::Packet, verdict: i32) -> i32 {
         if verdict != TC_ACT_OK as i32 {
             return verdict;
         }
-        route::to_destination(ctx, pkt.l3_off, pkt.proto).unwrap_or_else(|counter| {
+        route::to_destination::<V6>(ctx, pkt.l3_off, pkt.proto).unwrap_or_else(|counter| {
             count(counter);
             DROP
         })

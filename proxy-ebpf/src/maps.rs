@@ -95,6 +95,10 @@ pub static IPV6_PROGRAMS: ProgramArray = ProgramArray::pinned(IPV6_PROG_COUNT, 0
 #[map]
 pub static NODE_PROGRAMS: ProgramArray = ProgramArray::pinned(NODE_PROG_COUNT, 0);
 
+/// `tc_egress_node6` and `tc_ingress_node_reply6` (`NODE6_PROG_*`).
+#[map]
+pub static NODE6_PROGRAMS: ProgramArray = ProgramArray::pinned(NODE6_PROG_COUNT, 0);
+
 #[map]
 pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::pinned(MAX_COUNTERS, 0);
 

@@ -16,29 +16,34 @@ use proxy_common::Counter;
 use crate::{
     maps::FIB_SCRATCH,
     nat::{IP_DST_OFF, IP_SRC_OFF},
-    parse,
+    parse, parse6,
     reject::ETH_ALEN,
 };
 
 const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
 
-/// Redirects the IPv4 packet at `l3_off` to the interface the FIB routes its
-/// (already translated) destination through. `Err` with the counter to note
-/// when there is no such route to forward on: a backend on the node itself,
-/// or forwarding disabled.
+/// Redirects the IPv4 (`V6`: IPv6) packet at `l3_off` to the interface the
+/// FIB routes its (already translated) destination through. `Err` with the
+/// counter to note when there is no such route to forward on: a backend on
+/// the node itself, or forwarding disabled.
 #[inline(always)]
-pub fn to_destination(ctx: &TcContext, l3_off: usize, proto: u8) -> Result<i32, Counter> {
-    let src: u32 = parse::read(ctx, l3_off + IP_SRC_OFF).ok_or(Counter::Malformed)?;
-    let dst: u32 = parse::read(ctx, l3_off + IP_DST_OFF).ok_or(Counter::Malformed)?;
+pub fn to_destination<const V6: bool>(ctx: &TcContext, l3_off: usize, proto: u8) -> Result<i32, Counter> {
     // In map memory: the node program's stack is nearly full.
     let fib = unsafe { &mut *FIB_SCRATCH.get_ptr_mut(0).ok_or(Counter::NodeRouteFailed)? };
     // SAFETY: plain data; zero is a valid value of every field.
     *fib = unsafe { core::mem::zeroed() };
-    fib.family = AF_INET;
+    if V6 {
+        fib.family = AF_INET6;
+        fib.__bindgen_anon_3.ipv6_src = parse::read(ctx, l3_off + parse6::SRC_OFF).ok_or(Counter::Malformed)?;
+        fib.__bindgen_anon_4.ipv6_dst = parse::read(ctx, l3_off + parse6::DST_OFF).ok_or(Counter::Malformed)?;
+    } else {
+        fib.family = AF_INET;
+        fib.__bindgen_anon_3.ipv4_src = parse::read(ctx, l3_off + IP_SRC_OFF).ok_or(Counter::Malformed)?;
+        fib.__bindgen_anon_4.ipv4_dst = parse::read(ctx, l3_off + IP_DST_OFF).ok_or(Counter::Malformed)?;
+    }
     fib.l4_protocol = proto;
     fib.ifindex = crate::skb::ifindex(ctx);
-    fib.__bindgen_anon_3.ipv4_src = src;
-    fib.__bindgen_anon_4.ipv4_dst = dst;
     let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
     // A lookup as for a packet arriving on this interface (the output
     // variant would bind the route to it).

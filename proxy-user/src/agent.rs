@@ -81,6 +81,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if let Some(root) = &cgroup_root {
         cgroup::attach(&mut ebpf, &args.bpffs_root, root)?;
     }
+    crate::sysctl::accept_local_on_loopback_or_warn(&args.sysctl_root);
     let attacher = Attacher::new(ebpf, mode, &args.bpffs_root, args.devices.clone())?;
     let (ready_tx, ready_rx) = oneshot::channel();
     let mut attach_task = tokio::spawn(attacher.run(ready_tx));

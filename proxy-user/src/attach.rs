@@ -1,6 +1,10 @@
 //! Keeps the TC programs attached at ingress (translation) and egress
 //! (masquerade) of every node interface (or the `--devices` ones), including
-//! interfaces that appear later, such as the veth of a new pod.
+//! interfaces that appear later, such as the veth of a new pod. Loopback
+//! gets the egress program only: it is where the node's own packets to its
+//! own addresses (a NodePort on the node's IP from a raw socket, or from a
+//! process outside --cgroup-root) are met; nothing arrives there from
+//! outside.
 //!
 //! Two ways, one promise: the programs outlive the agent, and a restarted
 //! agent swaps its programs in atomically (never a moment with none or two).
@@ -38,8 +42,12 @@ use crate::{
     maps::{TC_EGRESS, TC_INGRESS, links_dir},
 };
 
-/// Each program, the hook it runs at, and the prefix of its link pins.
-pub const HOOKS: [(&str, TcAttachType, &str); 2] =
+/// A TC program, the hook it runs at, and the prefix of its link pins.
+pub type Hook = (&'static str, TcAttachType, &'static str);
+
+/// Each program, the hook it runs at, and the prefix of its link pins;
+/// egress last (loopback gets only that).
+pub const HOOKS: [Hook; 2] =
     [(TC_INGRESS, TcAttachType::Ingress, "ingress"), (TC_EGRESS, TcAttachType::Egress, "egress")];
 
 /// Where our cls_bpf filter sits in each clsact hook (`tc filter show dev
@@ -116,7 +124,8 @@ pub struct Attacher {
     mode: AttachMode,
     root: PathBuf,
     links: PathBuf,
-    /// Only these interfaces; `None`: every non-loopback interface.
+    /// Only these interfaces (and loopback's egress); `None`: every
+    /// interface.
     devices: Option<Vec<String>>,
     attached: BTreeMap<u32, String>,
 }
@@ -129,28 +138,29 @@ impl Attacher {
         Ok(Attacher { ebpf, mode, root: root.to_path_buf(), links, devices, attached: BTreeMap::new() })
     }
 
-    fn wanted(&self, link: &LinkMessage) -> Option<String> {
+    /// The interface's name and the hooks it gets, if any.
+    fn wanted(&self, link: &LinkMessage) -> Option<(String, &'static [Hook])> {
         let name = link.attributes.iter().find_map(|a| match a {
             LinkAttribute::IfName(n) => Some(n.clone()),
             _ => None,
         })?;
-        let wanted = match &self.devices {
-            Some(list) => list.contains(&name),
-            None => link.header.link_layer_type != LinkLayerType::Loopback,
-        };
-        wanted.then_some(name)
+        if link.header.link_layer_type == LinkLayerType::Loopback {
+            return Some((name, &HOOKS[1..]));
+        }
+        let wanted = self.devices.as_ref().is_none_or(|list| list.contains(&name));
+        wanted.then_some((name, &HOOKS[..]))
     }
 
     fn pin_path(&self, hook: &str, ifindex: u32) -> PathBuf {
         self.links.join(format!("{hook}-{ifindex}"))
     }
 
-    /// Attaches both programs to an interface.
-    fn attach(&mut self, ifindex: u32, name: &str) -> Result<()> {
+    /// Attaches the programs of `hooks` to an interface.
+    fn attach(&mut self, ifindex: u32, name: &str, hooks: &[Hook]) -> Result<()> {
         if self.attached.contains_key(&ifindex) {
             return Ok(());
         }
-        for (program, attach_type, hook) in HOOKS {
+        for &(program, attach_type, hook) in hooks {
             let adopted = self.attach_one(program, attach_type, hook, ifindex, name)?;
             info!(interface = %name, ifindex, hook, adopted, mode = self.mode.name(), "attached");
         }
@@ -258,8 +268,8 @@ impl Attacher {
     }
 
     fn handle(&mut self, link: &LinkMessage) {
-        if let Some(name) = self.wanted(link) {
-            if let Err(e) = self.attach(link.header.index, &name) {
+        if let Some((name, hooks)) = self.wanted(link) {
+            if let Err(e) = self.attach(link.header.index, &name, hooks) {
                 // One interface failing must not stop service on the others.
                 warn!(interface = %name, "cannot attach, skipped: {e:#}");
             }

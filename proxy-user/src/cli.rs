@@ -79,7 +79,8 @@ pub struct RunArgs {
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
     /// Attach only to these interfaces. Default: every non-loopback
-    /// interface, including ones that appear later.
+    /// interface, including ones that appear later. Loopback's egress is
+    /// always attached (the node's own packets to its own NodePorts).
     #[arg(long, value_delimiter = ',', value_name = "IFACE[,IFACE]")]
     pub devices: Option<Vec<String>>,
     /// Where maps and links are pinned. One agent per directory: a second
@@ -107,6 +108,11 @@ pub struct RunArgs {
     /// node's own traffic). Default: the cgroup v2 root.
     #[arg(long, value_name = "DIR")]
     pub cgroup_root: Option<PathBuf>,
+    /// Where the host's sysctls are (`net/ipv4/conf/lo/accept_local` is set
+    /// there: see docs/operations.md). A container's /proc/sys is read-only:
+    /// mount the host's /proc/sys/net under DIR/net.
+    #[arg(long, default_value = "/proc/sys", value_name = "DIR")]
+    pub sysctl_root: PathBuf,
     /// Masquerade every flow to a ClusterIP, whatever its source.
     #[arg(long)]
     pub masquerade_all: bool,

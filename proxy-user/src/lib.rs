@@ -25,5 +25,6 @@ pub mod root_lock;
 pub mod service_cidrs;
 pub mod snat_ports;
 pub mod source;
+pub mod sysctl;
 pub mod topology;
 pub mod trace;

@@ -261,7 +261,7 @@ fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64
 type EntryCounter = fn(&Path, &str) -> Result<u64>;
 
 /// How to count the entries of each pinned map: by its key and value types.
-const ENTRY_COUNTERS: [(&str, EntryCounter); 18] = {
+const ENTRY_COUNTERS: [(&str, EntryCounter); 19] = {
     use proxy_common::*;
     [
         (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>),
@@ -284,6 +284,7 @@ const ENTRY_COUNTERS: [(&str, EntryCounter); 18] = {
         // The loader fills every slot with an IPv6 program.
         (MAP_IPV6_PROGRAMS, |_, _| Ok(u64::from(IPV6_PROG_COUNT))),
         (MAP_NODE_PROGRAMS, |_, _| Ok(u64::from(NODE_PROG_COUNT))),
+        (MAP_NODE6_PROGRAMS, |_, _| Ok(u64::from(NODE6_PROG_COUNT))),
     ]
 };
 

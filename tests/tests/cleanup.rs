@@ -118,10 +118,10 @@ fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
     assert!(said.contains(&format!("removed {pins} pinned objects under {}", root.display())), "{said}");
     assert!(said.contains(&format!("released {link_pins} program links")), "{said}");
     if !tcx {
-        // Two filters on every interface but lo; a qdisc added to each but
-        // the one that had someone else's.
-        let attached_to = interfaces(&node.ns)?.len() - 1;
-        let (filters, qdiscs) = (attached_to * HOOKS.len(), attached_to - 1);
+        // Two filters on every interface but lo, which has egress's alone;
+        // a qdisc added to each but the one that had someone else's.
+        let interfaces = interfaces(&node.ns)?.len();
+        let (filters, qdiscs) = ((interfaces - 1) * HOOKS.len() + 1, interfaces - 1);
         assert!(said.contains(&format!("removed {filters} netlink filters and {qdiscs} clsact qdiscs")), "{said}");
     }
 

@@ -222,6 +222,13 @@ fn daemon_set_runs_the_real_cli_like_kube_proxy() -> Result<()> {
     let host = volumes.iter().find(|v| v.name == cg.name).and_then(|v| v.host_path.as_ref()).context("--cgroup-root is not on a hostPath")?;
     assert_eq!((host.path.as_str(), cgroup_root.as_path()), ("/sys/fs/cgroup", Path::new(&cg.mount_path)));
 
+    // The one sysctl the agent sets goes to the host's /proc/sys/net.
+    let net = args.sysctl_root.join("net");
+    let m = mount_of(&net)?;
+    let host = volumes.iter().find(|v| v.name == m.name).and_then(|v| v.host_path.as_ref()).context("--sysctl-root/net is not on a hostPath")?;
+    assert_eq!((host.path.as_str(), net.as_path()), ("/proc/sys/net", Path::new(&m.mount_path)));
+    assert_ne!(m.read_only, Some(true), "the agent writes net/ipv4/conf/lo/accept_local");
+
     let kubeconfig = args.kubeconfig.as_ref().context("the DaemonSet must pass --kubeconfig (the in-cluster address is ours to translate)")?;
     let m = mount_of(kubeconfig)?;
     let cm_name = volumes.iter().find(|v| v.name == m.name).and_then(|v| v.config_map.as_ref()).map(|c| c.name.clone()).context("kubeconfig is not from a ConfigMap")?;

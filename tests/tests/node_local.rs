@@ -4,7 +4,10 @@
 //! gets ECONNREFUSED from a Service without endpoints, also from a secondary
 //! node address, and a process outside the agent's cgroup is left alone. The
 //! hooks outlive a SIGTERM and go with `cleanup`. The same for an IPv6
-//! Service, through the IPv6 hooks.
+//! Service, through the IPv6 hooks, and for a process outside the agent's
+//! cgroup, through TC egress (IPv6 here; IPv4 in conformance's
+//! TestProductionPath), also to a NodePort on the node's own address,
+//! which leaves through loopback.
 //!
 //! The hooks sit on the root above every pod, as on a real node, and leave
 //! pods' sockets to TC: a pod's own `127.0.0.1:<nodePort>` stays its own,
@@ -40,7 +43,7 @@ spec:
   clusterIP: 10.96.0.10
   ports:
   - {name: tcp, port: 80, targetPort: 8080, nodePort: 30080}
-  - {name: udp, port: 53, targetPort: 5353, protocol: UDP}
+  - {name: udp, port: 53, targetPort: 5353, protocol: UDP, nodePort: 30053}
 ---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
@@ -134,6 +137,17 @@ fn node_processes_reach_services_through_the_socket_hooks() -> Result<()> {
     // TestProductionPath).
     let outside = probe(&outside_cg, &node.ns, "tcp", "10.96.0.10:80")?;
     assert!(outside.starts_with("error="), "outside the cgroup: {outside}");
+    // To a NodePort on the node's own address the packet exists: it leaves
+    // through loopback, whose egress translates it, and its replies come
+    // back in through loopback, which the agent lets accept them (they come
+    // from a node address: a martian source on any interface that doesn't).
+    let accept_local = node.ns.command("sysctl").args(["-n", "net.ipv4.conf.lo.accept_local"]).output()?;
+    assert_eq!(String::from_utf8_lossy(&accept_local.stdout).trim(), "1", "the agent sets lo's accept_local");
+    for proto in ["tcp", "udp"] {
+        let to = if proto == "tcp" { "192.168.0.2:30080" } else { "192.168.0.2:30053" };
+        let answered = backends_answering(&outside_cg, &node.ns, &agent, proto, to)?;
+        assert_eq!(answered, BTreeSet::from(["b1".to_string(), "b2".to_string()]), "outside the cgroup: {proto} {to}");
+    }
     // SIGTERM leaves the hooks serving; cleanup removes them.
     let status = agent.stop()?;
     assert!(status.success(), "agent exit status {status}");
@@ -151,9 +165,10 @@ metadata: {name: web6, namespace: demo}
 spec:
   clusterIP: fd00:96::10
   ipFamilies: [IPv6]
+  type: NodePort
   ports:
-  - {name: tcp, port: 80, targetPort: 8080}
-  - {name: udp, port: 53, targetPort: 5353, protocol: UDP}
+  - {name: tcp, port: 80, targetPort: 8080, nodePort: 30080}
+  - {name: udp, port: 53, targetPort: 5353, protocol: UDP, nodePort: 30053}
 ---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
@@ -187,7 +202,10 @@ fn backends_answering(cg: &Cgroup, ns: &Netns, agent: &Agent, proto: &str, to: &
 }
 
 /// connect6 and sendmsg6 pick a backend, getpeername6 and recvmsg6 show the
-/// ClusterIP back, and a Service without endpoints is refused.
+/// ClusterIP back, and a Service without endpoints is refused. A process
+/// outside the agent's cgroup gets the same from TC egress, masqueraded to
+/// the node's address, both through the route to the service CIDR and to a
+/// NodePort on the node's own address (loopback's egress).
 #[test]
 fn node_processes_reach_ipv6_services_through_the_socket_hooks() -> Result<()> {
     assert!(is_root(), "needs root (network namespaces, cgroups and BPF)");
@@ -216,8 +234,26 @@ fn node_processes_reach_ipv6_services_through_the_socket_hooks() -> Result<()> {
         assert_eq!(answered, BTreeSet::from(["b1".to_string(), "b2".to_string()]), "{proto} {to}");
     }
     assert_eq!(probe(&cg, &node.ns, "tcp", "[fd00:96::12]:80")?, refused()?, "no endpoints: REJECT");
-    let outside = probe(&outside_cg, &node.ns, "tcp", "[fd00:96::10]:80")?;
-    assert!(outside.starts_with("error="), "outside the cgroup: {outside}");
+    // Where the service CIDR is routed (here via pod b1, as a node routes
+    // it via its default gateway), an outside process's packets leave and
+    // TC egress translates them: each backend answers, and sees the node.
+    node.ns.ip(&["-6", "route", "add", "fd00:96::/112", "via", "fd00:244::11", "dev", &b1.host_if])?;
+    for (proto, to) in [
+        ("tcp", "[fd00:96::10]:80"),
+        ("udp", "[fd00:96::10]:53"),
+        ("tcp", "[2001:db8::2]:30080"),
+        ("udp", "[2001:db8::2]:30053"),
+    ] {
+        let answered = backends_answering(&outside_cg, &node.ns, &agent, proto, to)?;
+        assert_eq!(answered, BTreeSet::from(["b1".to_string(), "b2".to_string()]), "outside the cgroup: {proto} {to}");
+        let line = probe(&outside_cg, &node.ns, proto, to)?;
+        assert!(line.contains(" [2001:db8::2]:"), "outside the cgroup: {proto} {to}: the backend saw another source: {line}");
+    }
+    assert_eq!(probe(&outside_cg, &node.ns, "tcp", "[fd00:96::12]:80")?, refused()?, "outside the cgroup, no endpoints: REJECT");
+    // Those were TC's, not the hooks' (which a process outside never passes).
+    let scraped = agent.scrape(&node.ns)?;
+    let node_egress = scraped.iter().find(|(k, _)| k.contains(r#"reason="node_egress""#)).map(|(_, v)| *v);
+    assert!(node_egress.is_some_and(|n| n >= 48.0), "node_egress: {node_egress:?}");
     Ok(())
 }
 
