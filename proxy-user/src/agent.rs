@@ -169,16 +169,32 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = sigint.recv() => break,
         }
         if let (true, true, Some(snap)) = (pending, addrs_listed, &latest) {
-            pending = !syncer.sync(snap, &mut reconciler, &mut maps);
-            if pending {
-                retry_at = Some(Instant::now() + RETRY);
-            } else {
+            let outcome = syncer.sync(snap, &mut reconciler, &mut maps);
+            pending = outcome != Outcome::Done;
+            match outcome {
+                Outcome::Failed => retry_at = Some(Instant::now() + RETRY),
+                // Room the sync freed is counted from the next one: now.
+                Outcome::Again => retry_at = Some(Instant::now()),
+                Outcome::Done => {}
+            }
+            if outcome != Outcome::Failed {
                 health_checks.sync(&healthcheck::wanted(snap, &syncer.config), healthcheck::listen_addresses(&syncer.config)).await;
             }
         }
     }
     info!("stopping: programs and pinned maps stay in place, traffic keeps flowing (`ebpf-proxy cleanup` removes them)");
     Ok(())
+}
+
+/// How a sync went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Done,
+    /// Done, but it removed entries while Services waited for room in a
+    /// map: sync again, so they are admitted now that the room is there.
+    Again,
+    /// Retry in a moment.
+    Failed,
 }
 
 struct Syncer {
@@ -196,10 +212,11 @@ struct Syncer {
 }
 
 impl Syncer {
-    /// One pass; false when it must be retried.
-    fn sync(&mut self, snap: &Snapshot, reconciler: &mut Reconciler, maps: &mut Maps) -> bool {
+    /// One pass.
+    fn sync(&mut self, snap: &Snapshot, reconciler: &mut Reconciler, maps: &mut Maps) -> Outcome {
         let start = std::time::Instant::now();
-        let update = self.model.update(snap, &self.config);
+        // Services are admitted against what the maps hold (capacity.rs).
+        let update = self.model.update_within(snap, &self.config, &*reconciler);
         let errors = self.model.errors();
         // Each bad object is reported when it appears, not on every sync.
         let new: Vec<&ObjectError> = errors.iter().filter(|e| !self.last_errors.contains(e)).collect();
@@ -243,16 +260,24 @@ impl Syncer {
                     writes = stats.writes,
                     deletes = stats.deletes,
                     skipped_objects = self.last_errors.len(),
+                    waiting_for_room = self.model.refused(),
                     elapsed_us = start.elapsed().as_micros() as u64,
                     "sync done"
                 );
-                true
+                if self.model.refused() > 0 && stats.deletes > 0 { Outcome::Again } else { Outcome::Done }
             }
             Err(e) => {
                 self.health.sync_failed();
                 self.metrics.sync_failed();
                 error!("sync failed, retrying in {RETRY:?}: {e:#}");
-                false
+                if let Some(full) = maps::full_map(&e) {
+                    // Admission counted wrong (a map holds what the agent
+                    // does not know of): admit every Service again, against
+                    // what the maps hold now.
+                    warn!(map = full.map, capacity = full.capacity, "a map is full: every Service is admitted again at the next sync");
+                    self.model = incremental::Model::default();
+                }
+                Outcome::Failed
             }
         }
     }

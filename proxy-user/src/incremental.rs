@@ -20,6 +20,7 @@ use k8s_openapi::{
 use proxy_common::FrontendKey;
 
 use crate::{
+    capacity::{self, Budget, Full, Unlimited},
     model::{self, BackendSetKey, BackendTuple, DesiredState, ModelConfig, ObjectError, ServiceKey},
     precedence::{self, Claim},
     service_cidrs,
@@ -68,6 +69,13 @@ impl Part {
     }
 }
 
+/// A Service that did not fit in the maps (`capacity`): its part, kept to
+/// be tried again at the next update, and the map it would have overflowed.
+struct Refused {
+    part: Part,
+    full: Full,
+}
+
 /// How many backend sets hold a backend, per flag bit: the union of its
 /// flags is the bits still counted.
 #[derive(Default)]
@@ -109,7 +117,10 @@ pub struct Model {
     /// interned; index 0 is UNLABELLED.
     keys: Vec<String>,
     key_ids: HashMap<String, u32>,
+    /// The Services in `desired` (admitted), by key.
     parts: BTreeMap<String, Part>,
+    /// The Services refused for want of room in a map, by key: not in `desired`.
+    refused: BTreeMap<String, Refused>,
     /// What in a key's objects as a whole was skipped (duplicate Services,
     /// slices without a Service or label).
     key_errors: BTreeMap<u32, Vec<ObjectError>>,
@@ -133,11 +144,16 @@ impl Model {
         &self.desired
     }
 
-    /// What was skipped (the same as `model::build` reports, not in its order).
+    /// What was skipped (the same as `model::build` reports, not in its
+    /// order), and each Service refused for want of room in a map.
     pub fn errors(&self) -> Vec<ObjectError> {
-        let parts = self.parts.values().flat_map(|p| p.errors.iter());
+        let parts = self.parts.values().chain(self.refused.values().map(|r| &r.part)).flat_map(|p| p.errors.iter());
         let mut errors: Vec<ObjectError> =
             self.key_errors.values().flatten().chain(parts).chain(&self.service_cidr_errors).cloned().collect();
+        for (joined, r) in &self.refused {
+            let (ns, name) = joined.split_once('\0').unwrap_or(("", ""));
+            errors.push(ObjectError { object: format!("service {ns}/{name}"), reason: r.full.to_string() });
+        }
         let mut conflicts = Vec::new();
         for (fk, claimants) in &self.contested {
             let claims: Vec<Claim> = claimants.iter().map(|joined| self.parts[joined].claim(fk)).collect();
@@ -158,11 +174,26 @@ impl Model {
         id
     }
 
+    /// How many Services wait for room in a map.
+    pub fn refused(&self) -> usize {
+        self.refused.len()
+    }
+
+    /// `update_within` maps without limits.
+    pub fn update(&mut self, snapshot: &Snapshot, config: &ModelConfig) -> Update {
+        self.update_within(snapshot, config, &Unlimited)
+    }
+
     /// Brings the state up to `snapshot`. Objects are told apart by address:
     /// one not seen before, or seen before and now gone, marks its Service
     /// as touched, and only touched Services are rebuilt. The cost is a hash
     /// lookup per object, plus the work of what changed.
-    pub fn update(&mut self, snapshot: &Snapshot, config: &ModelConfig) -> Update {
+    ///
+    /// Rebuilt Services, and those refused before, are admitted in
+    /// `namespace/name` order while the maps (`held`) have room for what
+    /// each adds (`capacity`); one that does not fit is left out of the
+    /// desired state whole, and tried again at the next update.
+    pub fn update_within(&mut self, snapshot: &Snapshot, config: &ModelConfig, held: &(impl capacity::Held + ?Sized)) -> Update {
         let zone = topology::node_zone(snapshot.node.as_ref());
         let (cidrs, cidr_errors) = service_cidrs::effective(&snapshot.service_cidrs, &config.service_cidrs);
         // Every Service's endpoints are checked against the service CIDRs
@@ -209,7 +240,7 @@ impl Model {
         });
 
         let mut touched = Touched::default();
-        if keys.is_empty() {
+        if keys.is_empty() && self.refused.is_empty() {
             return if everything { Update::Everything } else { Update::Touched(touched) };
         }
         // The touched keys' objects, in snapshot order.
@@ -227,6 +258,8 @@ impl Model {
                 slices.entry(key).or_default().push(slice);
             }
         }
+        // The rebuilt Services, by key (so in namespace/name order).
+        let mut candidates: BTreeMap<String, Part> = BTreeMap::new();
         for key in keys {
             let svcs = services.remove(&key).unwrap_or_default();
             let its_slices = slices.remove(&key).unwrap_or_default();
@@ -243,17 +276,33 @@ impl Model {
             if let Some(old) = self.parts.remove(&joined) {
                 self.retract(&joined, &old, &mut touched);
             }
+            self.refused.remove(&joined);
             if let Some(svc) = svcs.last() {
                 let (state, part_errors) =
                     model::build_part(service_key, svc, &its_slices, config, zone, &self.desired.service_cidrs);
-                let part = Part { state, errors: part_errors, created: precedence::created(svc) };
-                self.assert(&joined, &part, &mut touched);
-                self.parts.insert(joined, part);
+                candidates.insert(joined, Part { state, errors: part_errors, created: precedence::created(svc) });
             }
             if errors.is_empty() {
                 self.key_errors.remove(&key);
             } else {
                 self.key_errors.insert(key, errors);
+            }
+        }
+        // Those refused before, unchanged: there may be room now.
+        for (joined, refused) in std::mem::take(&mut self.refused) {
+            candidates.insert(joined, refused.part);
+        }
+        let everyone_fits = capacity::room_for_all(held, candidates.values().map(|p| &p.state));
+        let mut budget = Budget::new(held);
+        for (joined, part) in candidates {
+            match if everyone_fits { Ok(()) } else { budget.admit(&part.state) } {
+                Ok(()) => {
+                    self.assert(&joined, &part, &mut touched);
+                    self.parts.insert(joined, part);
+                }
+                Err(full) => {
+                    self.refused.insert(joined, Refused { part, full });
+                }
             }
         }
         if everything { Update::Everything } else { Update::Touched(touched) }
@@ -377,8 +426,9 @@ mod tests {
     use k8s_openapi::api::networking::v1::ServiceCIDR;
 
     use crate::{
+        capacity::ServiceMap,
         manifest,
-        reconciler::{Contents, Reconciler},
+        reconciler::{Contents, MapWriter, Reconciler},
         source::manifests,
     };
 
@@ -676,5 +726,323 @@ mod tests {
         let (back, backends, update) = apply(&web("tier: front"));
         assert_eq!((&back, backends), (&served, 1));
         assert!(matches!(update, Update::Touched(t) if t.frontends == served));
+    }
+
+    /// The reconciler's maps with smaller capacities.
+    struct Limited<'r> {
+        maps: &'r Reconciler,
+        capacity: Vec<(ServiceMap, u64)>,
+    }
+
+    impl capacity::Held for Limited<'_> {
+        fn capacity(&self, map: ServiceMap) -> u64 {
+            self.capacity.iter().find(|(m, _)| *m == map).map_or(map.capacity(), |(_, c)| *c)
+        }
+        fn entries(&self) -> capacity::Entries {
+            self.maps.entries()
+        }
+        fn has_frontend(&self, key: &FrontendKey) -> bool {
+            self.maps.has_frontend(key)
+        }
+        fn has_backend(&self, backend: &BackendTuple) -> bool {
+            self.maps.has_backend(backend)
+        }
+        fn set_id(&self, set: &BackendSetKey) -> Option<u32> {
+            self.maps.set_id(set)
+        }
+        fn slots(&self, service_id: u32) -> u32 {
+            self.maps.slots(service_id)
+        }
+        fn has_source_range(&self, service_id: u32, net: &ipnet::IpNet) -> bool {
+            self.maps.has_source_range(service_id, net)
+        }
+    }
+
+    /// Maps that remember the most entries each held at any moment.
+    #[derive(Default)]
+    struct Peak {
+        maps: Contents,
+        peak: capacity::Entries,
+    }
+
+    impl Peak {
+        fn note(&mut self) -> anyhow::Result<()> {
+            let c = &self.maps;
+            let now = [c.frontends.len(), c.names.len(), c.slots.len(), c.backends.len(), c.source_ranges.len()];
+            for (peak, n) in self.peak.iter_mut().zip(now) {
+                *peak = (*peak).max(n as u64);
+            }
+            Ok(())
+        }
+    }
+
+    impl MapWriter for Peak {
+        fn put_backend(&mut self, id: u32, b: &proxy_common::Backend) -> anyhow::Result<()> {
+            self.maps.put_backend(id, b)?;
+            self.note()
+        }
+        fn del_backend(&mut self, id: u32) -> anyhow::Result<()> {
+            self.maps.del_backend(id)
+        }
+        fn put_slot(&mut self, k: &proxy_common::SlotKey, v: u32) -> anyhow::Result<()> {
+            self.maps.put_slot(k, v)?;
+            self.note()
+        }
+        fn del_slot(&mut self, k: &proxy_common::SlotKey) -> anyhow::Result<()> {
+            self.maps.del_slot(k)
+        }
+        fn put_frontend(&mut self, k: &FrontendKey, e: &proxy_common::ServiceEntry) -> anyhow::Result<()> {
+            self.maps.put_frontend(k, e)?;
+            self.note()
+        }
+        fn del_frontend(&mut self, k: &FrontendKey) -> anyhow::Result<()> {
+            self.maps.del_frontend(k)
+        }
+        fn put_name(&mut self, id: u32, n: &proxy_common::ServiceName) -> anyhow::Result<()> {
+            self.maps.put_name(id, n)?;
+            self.note()
+        }
+        fn del_name(&mut self, id: u32) -> anyhow::Result<()> {
+            self.maps.del_name(id)
+        }
+        fn put_source_range(&mut self, id: u32, n: &ipnet::IpNet) -> anyhow::Result<()> {
+            self.maps.put_source_range(id, n)?;
+            self.note()
+        }
+        fn del_source_range(&mut self, id: u32, n: &ipnet::IpNet) -> anyhow::Result<()> {
+            self.maps.del_source_range(id, n)
+        }
+        fn put_service_cidr(&mut self, n: &ipnet::IpNet) -> anyhow::Result<()> {
+            self.maps.put_service_cidr(n)
+        }
+        fn del_service_cidr(&mut self, n: &ipnet::IpNet) -> anyhow::Result<()> {
+            self.maps.del_service_cidr(n)
+        }
+    }
+
+    /// A LoadBalancer Service `a/NAME` on ClusterIP 10.96.1.IP and LB IP
+    /// 192.0.2.IP with `ports` ports, each with the same `ranges`
+    /// loadBalancerSourceRanges: ports x ranges SOURCE_RANGES entries.
+    fn lb_service(name: &str, ip: u8, ports: usize, ranges: usize) -> Arc<Service> {
+        let ports: Vec<String> = (0..ports).map(|p| format!("{{name: p{p}, port: {}}}", 1000 + p)).collect();
+        let ranges: Vec<String> = (0..ranges).map(|r| format!("10.{}.{}.0/24", r / 256, r % 256)).collect();
+        served_service(&format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: a}}\nspec:\n  type: LoadBalancer\n  \
+             clusterIP: 10.96.1.{ip}\n  loadBalancerSourceRanges: [{}]\n  ports: [{}]\n\
+             status: {{loadBalancer: {{ingress: [{{ip: 192.0.2.{ip}}}]}}}}\n",
+            ranges.join(", "),
+            ports.join(", ")
+        ))
+        .unwrap()
+    }
+
+    /// The agent's loop with SOURCE_RANGES holding `capacity` entries: update
+    /// and sync, and again at once while the sync freed room someone waits
+    /// for. Checks no map ever held more than its capacity and the touched
+    /// sync wrote what a full one would.
+    struct Agent {
+        model: Model,
+        reconciler: Reconciler,
+        maps: Peak,
+        capacity: u64,
+        config: ModelConfig,
+    }
+
+    impl Agent {
+        fn new(capacity: u64) -> Agent {
+            Agent {
+                model: Model::default(),
+                reconciler: Reconciler::adopt(Contents::default()),
+                maps: Peak::default(),
+                capacity,
+                config: ModelConfig { node_name: "node-a".into(), ..Default::default() },
+            }
+        }
+
+        /// The passes it took.
+        fn sync(&mut self, snap: &Snapshot) -> usize {
+            for pass in 1..10 {
+                let limited = Limited { maps: &self.reconciler, capacity: vec![(ServiceMap::SourceRanges, self.capacity)] };
+                let update = self.model.update_within(snap, &self.config, &limited);
+                let stats = match update {
+                    Update::Touched(t) => self.reconciler.sync_touched(self.model.desired(), &t, &mut self.maps).unwrap(),
+                    Update::Everything => self.reconciler.sync(self.model.desired(), &mut self.maps).unwrap(),
+                };
+                let ranges = self.maps.peak[ServiceMap::SourceRanges as usize];
+                assert!(ranges <= self.capacity, "SOURCE_RANGES held {ranges} of {}", self.capacity);
+                let mut full = Contents::default();
+                Reconciler::adopt(Contents::default()).sync(self.model.desired(), &mut full).unwrap();
+                assert_eq!(full.source_ranges.len(), self.maps.maps.source_ranges.len());
+                assert_eq!(full.frontends.len(), self.maps.maps.frontends.len());
+                if self.model.refused() == 0 || stats.deletes == 0 {
+                    return pass;
+                }
+            }
+            panic!("no end to the passes");
+        }
+
+        /// The Services with frontends in the maps.
+        fn served(&self) -> BTreeSet<String> {
+            let names = &self.maps.maps.names;
+            let ids: BTreeSet<u32> = self.maps.maps.frontends.values().filter(|e| e.service_id != 0).map(|e| e.service_id).collect();
+            ids.iter().map(|id| names[id].0.split(':').next().unwrap().to_string()).collect()
+        }
+
+        fn map_full(&self) -> Vec<String> {
+            let errors = self.model.errors();
+            let full = errors.iter().filter(|e| crate::metrics::classify(e) == ("Service", "map_full"));
+            full.map(ToString::to_string).collect()
+        }
+    }
+
+    fn names(list: &[&str]) -> BTreeSet<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_service_too_big_for_a_map_is_left_out_whole_and_the_rest_served() {
+        let mut agent = Agent::new(100);
+        let small = served_service(&service(0, 0)).unwrap();
+        // 5 ports x 30 ranges = 150 entries: more than SOURCE_RANGES holds.
+        let big = lb_service("big", 1, 5, 30);
+        let snap = Snapshot { services: vec![big.clone(), small.clone()], ..Default::default() };
+        agent.sync(&snap);
+        assert_eq!(agent.served(), names(&["a/svc0"]));
+        assert!(agent.maps.maps.source_ranges.is_empty(), "nothing of the big Service written");
+        assert_eq!(
+            agent.map_full(),
+            ["service a/big: needs 150 entries in map SOURCE_RANGES, which has no room for them (capacity 100 entries; \
+              map full); not programmed, tried again at every sync"]
+        );
+        // A Service added later, after it in name order, is served.
+        let later = lb_service("later", 2, 1, 10);
+        let snap = Snapshot { services: vec![big.clone(), small.clone(), later.clone()], ..Default::default() };
+        agent.sync(&snap);
+        assert_eq!(agent.served(), names(&["a/svc0", "a/later"]));
+        assert_eq!(agent.map_full().len(), 1, "reported the same way, once");
+        // Room appears when it shrinks: 5 x 18 = 90, with later's 10.
+        let shrunk = lb_service("big", 1, 5, 18);
+        let snap = Snapshot { services: vec![shrunk, small, later], ..Default::default() };
+        assert_eq!(agent.sync(&snap), 1);
+        assert_eq!(agent.served(), names(&["a/svc0", "a/later", "a/big"]));
+        assert_eq!(agent.maps.maps.source_ranges.len(), 100);
+        assert!(agent.map_full().is_empty());
+    }
+
+    #[test]
+    fn room_a_removal_frees_goes_to_the_waiting_service_in_the_next_pass() {
+        let mut agent = Agent::new(100);
+        let (one, two) = (lb_service("one", 1, 2, 30), lb_service("two", 2, 2, 30));
+        // 60 + 60 > 100: the first by name is served, whatever the snapshot's order.
+        agent.sync(&Snapshot { services: vec![two.clone(), one.clone()], ..Default::default() });
+        assert_eq!(agent.served(), names(&["a/one"]));
+        assert_eq!(agent.map_full().len(), 1);
+        // `one` goes: its entries leave the maps at the end of that sync,
+        // and `two` is admitted by the pass right after.
+        assert_eq!(agent.sync(&Snapshot { services: vec![two.clone()], ..Default::default() }), 2);
+        assert_eq!(agent.served(), names(&["a/two"]));
+        assert!(agent.map_full().is_empty());
+        // A newcomer that sorts first does not push out what is served.
+        agent.sync(&Snapshot { services: vec![two, one], ..Default::default() });
+        assert_eq!(agent.served(), names(&["a/two"]));
+        assert_eq!(agent.map_full()[0].split(':').next(), Some("service a/one"));
+    }
+
+    #[test]
+    fn a_served_service_that_outgrows_a_map_is_taken_out_whole_and_back_when_it_fits() {
+        let mut agent = Agent::new(100);
+        let small = served_service(&service(0, 10)).unwrap();
+        agent.sync(&Snapshot { services: vec![lb_service("big", 1, 2, 40), small.clone()], ..Default::default() });
+        assert_eq!(agent.served(), names(&["a/big", "a/svc0"]));
+        // svc0 (variant 10) has one source range: 80 + 1 held; 3 x 40 does not fit.
+        agent.sync(&Snapshot { services: vec![lb_service("big", 1, 3, 40), small.clone()], ..Default::default() });
+        assert_eq!(agent.served(), names(&["a/svc0"]), "no half-programmed Service");
+        assert_eq!(agent.maps.maps.source_ranges.len(), 1);
+        agent.sync(&Snapshot { services: vec![lb_service("big", 1, 3, 33), small], ..Default::default() });
+        assert_eq!(agent.served(), names(&["a/big", "a/svc0"]));
+        assert_eq!(agent.maps.maps.source_ranges.len(), 100);
+    }
+
+    /// Random changes as in `random_changes_match_a_full_build`, with maps
+    /// so small that Services are refused and admitted again all the time:
+    /// no map ever holds more than its capacity, maps written with only the
+    /// touched keys hold what a full sync of the same desired state writes,
+    /// and each Service is either served as a full build has it or refused.
+    #[test]
+    fn random_changes_in_small_maps_never_overflow_them() {
+        let mut rng: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = move |n: usize| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % n as u64) as usize
+        };
+        const N: usize = 12;
+        let capacity = vec![(ServiceMap::Frontends, 40), (ServiceMap::Backends, 4), (ServiceMap::SourceRanges, 3), (ServiceMap::Slots, 12)];
+        let mut services: Vec<Option<Arc<Service>>> = vec![None; N];
+        let mut slices: Vec<Option<Arc<EndpointSlice>>> = vec![None; N];
+        let mut config = ModelConfig { node_name: "node-a".into(), node_addresses: vec!["192.168.0.2".parse().unwrap()], ..Default::default() };
+        let mut model = Model::default();
+        let (mut touched_maps, mut full_maps) = (Peak::default(), Contents::default());
+        let (mut by_touched, mut by_full) = (Reconciler::adopt(Contents::default()), Reconciler::adopt(Contents::default()));
+        let (mut refusals, mut admitted_later) = (0, 0);
+        for step in 0..1500 {
+            let i = next(N);
+            match next(7) {
+                0 => services[i] = None,
+                1 => slices[i] = None,
+                2 | 3 => services[i] = served_service(&service(i, next(SERVICE_VARIANTS))),
+                4 | 5 => slices[i] = served_slice(&slice(i, next(SLICE_VARIANTS))),
+                _ => config.detect_local = !config.detect_local,
+            }
+            let snap = Snapshot {
+                services: services.iter().flatten().cloned().collect(),
+                slices: slices.iter().flatten().cloned().collect(),
+                ..Default::default()
+            };
+            let refused_before = model.refused();
+            for pass in 0.. {
+                assert!(pass < 10, "step {step}: no end to the passes");
+                let limited = Limited { maps: &by_touched, capacity: capacity.clone() };
+                let update = model.update_within(&snap, &config, &limited);
+                let stats = match &update {
+                    Update::Touched(t) => by_touched.sync_touched(model.desired(), t, &mut touched_maps).unwrap(),
+                    Update::Everything => by_touched.sync(model.desired(), &mut touched_maps).unwrap(),
+                };
+                by_full.sync(model.desired(), &mut full_maps).unwrap();
+                assert_eq!(touched_maps.maps, full_maps, "step {step} pass {pass}");
+                for (map, cap) in &capacity {
+                    let peak = touched_maps.peak[*map as usize];
+                    assert!(peak <= *cap, "step {step}: {} held {peak} of {cap}", map.name());
+                }
+                if model.refused() == 0 || stats.deletes == 0 {
+                    break;
+                }
+            }
+            // Settled: a Service waiting for room has none, even after the last pass's removals.
+            let waiting = model.refused();
+            let limited = Limited { maps: &by_touched, capacity: capacity.clone() };
+            assert_eq!(model.update_within(&snap, &config, &limited), Update::Touched(Touched::default()), "step {step}");
+            assert_eq!(model.refused(), waiting);
+            refusals += model.refused();
+            admitted_later += usize::from(model.refused() < refused_before);
+            // Served as a full build has it, or refused (and reported).
+            let (want, _) = model::build(&snap, &config);
+            let refused: BTreeSet<String> = model
+                .errors()
+                .iter()
+                .filter(|e| crate::metrics::classify(e).1 == "map_full")
+                .map(|e| e.object.trim_start_matches("service ").to_string())
+                .collect();
+            assert_eq!(refused.len(), model.refused(), "step {step}");
+            for (set, backends) in &want.backend_sets {
+                let name = format!("{}/{}", set.service.namespace, set.service.name);
+                match model.desired().backend_sets.get(set) {
+                    Some(got) => assert_eq!(got, backends, "step {step}: {set:?}"),
+                    None => assert!(refused.contains(&name), "step {step}: {name} neither served nor refused"),
+                }
+            }
+        }
+        assert!(refusals > 1000 && admitted_later > 50, "refusals {refusals}, admitted later {admitted_later}: maps too big to test anything");
     }
 }

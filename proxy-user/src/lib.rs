@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod attach;
+pub mod capacity;
 pub mod cgroup;
 pub mod cleanup;
 pub mod cli;

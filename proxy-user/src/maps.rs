@@ -10,7 +10,7 @@ use std::{
 use anyhow::{Context, Result};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, ProgramArray, lpm_trie::Key},
+    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, ProgramArray, lpm_trie::Key},
     programs::{ProgramFd, SchedClassifier},
 };
 use ipnet::IpNet;
@@ -257,7 +257,7 @@ impl Maps {
 
 impl MapWriter for Maps {
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<()> {
-        Ok(self.backends.insert(&id, backend, 0)?)
+        named(MAP_BACKENDS, MAX_BACKENDS, self.backends.insert(&id, backend, 0))
     }
     /// Removes the backend, then bumps the backends epoch: the datapath
     /// skips checking an established flow's backend while the epoch is the
@@ -265,43 +265,79 @@ impl MapWriter for Maps {
     /// what makes each flow of this backend move to a live one on its next
     /// packet. The reconciler reuses an ID only after removing it.
     fn del_backend(&mut self, id: u32) -> Result<()> {
-        self.backends.remove(&id)?;
+        named(MAP_BACKENDS, MAX_BACKENDS, self.backends.remove(&id))?;
         self.bump_backends_epoch()
     }
     fn put_slot(&mut self, key: &SlotKey, backend_id: u32) -> Result<()> {
-        Ok(self.slots.insert(key, &backend_id, 0)?)
+        named(MAP_BACKEND_SLOTS, MAX_BACKEND_SLOTS, self.slots.insert(key, &backend_id, 0))
     }
     fn del_slot(&mut self, key: &SlotKey) -> Result<()> {
-        Ok(self.slots.remove(key)?)
+        named(MAP_BACKEND_SLOTS, MAX_BACKEND_SLOTS, self.slots.remove(key))
     }
     fn put_frontend(&mut self, key: &FrontendKey, entry: &ServiceEntry) -> Result<()> {
-        Ok(self.frontends.insert(key, entry, 0)?)
+        named(MAP_FRONTENDS, MAX_FRONTENDS, self.frontends.insert(key, entry, 0))
     }
     fn del_frontend(&mut self, key: &FrontendKey) -> Result<()> {
-        Ok(self.frontends.remove(key)?)
+        named(MAP_FRONTENDS, MAX_FRONTENDS, self.frontends.remove(key))
     }
     fn put_name(&mut self, id: u32, name: &ServiceName) -> Result<()> {
-        Ok(self.names.insert(&id, name, 0)?)
+        named(MAP_SERVICE_NAMES, MAX_SERVICE_NAMES, self.names.insert(&id, name, 0))
     }
     fn del_name(&mut self, id: u32) -> Result<()> {
-        Ok(self.names.remove(&id)?)
+        named(MAP_SERVICE_NAMES, MAX_SERVICE_NAMES, self.names.remove(&id))
     }
     fn put_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()> {
         let (len, addr) = lpm_prefix(net);
-        Ok(self.source_ranges.insert(&Key::new(32 + len, SourceRangeData { service_id, addr }), &1, 0)?)
+        let key = Key::new(32 + len, SourceRangeData { service_id, addr });
+        named(MAP_SOURCE_RANGES, MAX_SOURCE_RANGES, self.source_ranges.insert(&key, &1, 0))
     }
     fn del_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()> {
         let (len, addr) = lpm_prefix(net);
-        Ok(self.source_ranges.remove(&Key::new(32 + len, SourceRangeData { service_id, addr }))?)
+        named(MAP_SOURCE_RANGES, MAX_SOURCE_RANGES, self.source_ranges.remove(&Key::new(32 + len, SourceRangeData { service_id, addr })))
     }
     fn put_service_cidr(&mut self, net: &IpNet) -> Result<()> {
         let (len, addr) = lpm_prefix(net);
-        Ok(self.service_cidrs.insert(&Key::new(len, CidrData { addr }), &1, 0)?)
+        named(MAP_SERVICE_CIDRS, MAX_CIDRS, self.service_cidrs.insert(&Key::new(len, CidrData { addr }), &1, 0))
     }
     fn del_service_cidr(&mut self, net: &IpNet) -> Result<()> {
         let (len, addr) = lpm_prefix(net);
-        Ok(self.service_cidrs.remove(&Key::new(len, CidrData { addr }))?)
+        named(MAP_SERVICE_CIDRS, MAX_CIDRS, self.service_cidrs.remove(&Key::new(len, CidrData { addr })))
     }
+}
+
+/// A write the kernel refused because the map already holds `max_entries`
+/// keys (an LPM trie says ENOSPC, a hash map E2BIG).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapFull {
+    pub map: &'static str,
+    pub capacity: u32,
+}
+
+impl std::fmt::Display for MapFull {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "map {} is full (capacity {} entries)", self.map, self.capacity)
+    }
+}
+
+impl std::error::Error for MapFull {}
+
+/// A map operation's error, naming the map (and, when the map was full,
+/// as `MapFull`, which `full_map` finds again).
+fn named<T>(map: &'static str, capacity: u32, result: Result<T, MapError>) -> Result<T> {
+    result.map_err(|e| {
+        let full = matches!(&e, MapError::SyscallError(aya::sys::SyscallError { io_error, .. })
+            if matches!(io_error.raw_os_error(), Some(libc::ENOSPC | libc::E2BIG)));
+        if full {
+            anyhow::Error::new(e).context(MapFull { map, capacity })
+        } else {
+            anyhow::Error::new(e).context(format!("map {map}"))
+        }
+    })
+}
+
+/// The map a failed write found full, if that is why it failed.
+pub fn full_map(e: &anyhow::Error) -> Option<&MapFull> {
+    e.downcast_ref::<MapFull>()
 }
 
 /// A prefix as the LPM maps hold it: IPv4 IPv4-mapped, so /n is /(96 + n).
@@ -334,4 +370,29 @@ fn replace_cidrs(map: &mut LpmTrie<MapData, CidrData, u8>, want: &[IpNet]) -> Re
 /// Where the agent pins its per-interface TC links.
 pub fn links_dir(root: &Path) -> PathBuf {
     root.join("links")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(errno: i32) -> Result<(), MapError> {
+        Err(MapError::SyscallError(aya::sys::SyscallError {
+            call: "bpf_map_update_elem",
+            io_error: std::io::Error::from_raw_os_error(errno),
+        }))
+    }
+
+    #[test]
+    fn a_full_map_is_named_and_found_again_under_more_context() {
+        for errno in [libc::ENOSPC, libc::E2BIG] {
+            let e = named(MAP_SOURCE_RANGES, MAX_SOURCE_RANGES, refused(errno)).context("service ns/big: source range 10.0.0.0/24").unwrap_err();
+            assert_eq!(full_map(&e), Some(&MapFull { map: MAP_SOURCE_RANGES, capacity: MAX_SOURCE_RANGES }));
+            let text = format!("{e:#}");
+            assert!(text.starts_with("service ns/big: source range 10.0.0.0/24: map SOURCE_RANGES is full (capacity 65536 entries): "), "{text}");
+        }
+        let e = named(MAP_FRONTENDS, MAX_FRONTENDS, refused(libc::EPERM)).unwrap_err();
+        assert_eq!(full_map(&e), None);
+        assert!(format!("{e:#}").starts_with("map FRONTENDS: "), "{e:#}");
+    }
 }

@@ -174,7 +174,9 @@ pub fn classify(e: &ObjectError) -> (&'static str, &'static str) {
         _ => "other",
     };
     let r = e.reason.as_str();
-    let reason = if r.contains("endpoint address") && r.contains(" refused: ") {
+    let reason = if r.contains("(capacity ") && r.contains("; map full)") {
+        "map_full"
+    } else if r.contains("endpoint address") && r.contains(" refused: ") {
         "invalid_endpoint"
     } else if r.contains("invalid IP") || r.contains("invalid endpoint address") {
         "invalid_ip"
@@ -288,6 +290,12 @@ const ENTRY_COUNTERS: [(&str, EntryCounter); 19] = {
     ]
 };
 
+/// The pinned maps that are arrays: full from the start, never filling.
+pub const ARRAY_MAPS: [&str; 6] = {
+    use proxy_common::*;
+    [MAP_COUNTERS, MAP_BACKENDS_EPOCH, MAP_NODE_SNAT, MAP_HOST_NETNS, MAP_IPV6_PROGRAMS, MAP_NODE_PROGRAMS]
+};
+
 /// (map, entries, capacity) for every pinned map under `root`; entries are
 /// `None` for a map this build cannot count. Hash maps are counted key by
 /// key: a scrape of a full conntrack costs milliseconds, never the datapath.
@@ -350,6 +358,18 @@ impl Collector for Dataplane {
         let mut enc = encoder.encode_descriptor("ebpf_proxy_map_capacity", "Maximum entries of each pinned BPF map", None, MetricType::Gauge)?;
         for (map, _, cap) in &fill {
             ConstGauge::new(*cap as i64).encode(enc.encode_family(&[("map", *map)])?)?;
+        }
+        // Arrays have every slot from the start: only maps that fill have a pressure.
+        let mut enc = encoder.encode_descriptor(
+            "ebpf_proxy_map_pressure",
+            "Entries over capacity (0 to 1) of each pinned BPF map that fills (hash, LRU and LPM maps)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (map, entries, cap) in &fill {
+            if let (Some(n), true) = (entries, *cap > 0 && !ARRAY_MAPS.contains(map)) {
+                ConstGauge::new(*n as f64 / *cap as f64).encode(enc.encode_family(&[("map", *map)])?)?;
+            }
         }
         let counters = match read_counters(&self.root) {
             Ok(c) => c,

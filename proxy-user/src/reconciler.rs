@@ -180,7 +180,7 @@ impl Reconciler {
                 let key = SlotKey { service_id, slot: slot as u32 };
                 let backend_id = self.backend_ids[&(b.addr, b.port, b.proto)];
                 if self.held.slots.get(&key) != Some(&backend_id) {
-                    maps.put_slot(&key, backend_id)?;
+                    maps.put_slot(&key, backend_id).with_context(|| format!("service {}: backend slot {slot}", set.service))?;
                     self.held.slots.insert(key, backend_id);
                     let n = self.slot_counts.entry(service_id).or_default();
                     *n = (*n).max(slot as u32 + 1);
@@ -193,9 +193,10 @@ impl Reconciler {
         for (&set, &id) in &set_ids {
             want_ranges.extend(desired.source_ranges.get(set).into_iter().flatten().map(|n| (id, *n)));
         }
+        let set_of = |id: u32| set_ids.iter().find(|(_, i)| **i == id).map(|(set, _)| set.service.to_string()).unwrap_or_default();
         for r in &want_ranges {
             if !self.held.source_ranges.contains(r) {
-                maps.put_source_range(r.0, &r.1)?;
+                maps.put_source_range(r.0, &r.1).with_context(|| format!("service {}: source range {}", set_of(r.0), r.1))?;
                 self.held.source_ranges.insert(*r);
                 stats.writes += 1;
             }
@@ -372,6 +373,29 @@ impl Reconciler {
         }
         (*key == cluster_ip_marker(key.addr) && desired.cluster_ips.contains(&key.addr.to_ip()))
             .then(|| ServiceEntry { kind: KIND_CLUSTER_IP, ..Default::default() })
+    }
+}
+
+/// What the maps hold, for admitting Services (`capacity`).
+impl crate::capacity::Held for Reconciler {
+    fn entries(&self) -> crate::capacity::Entries {
+        let h = &self.held;
+        [h.frontends.len(), h.names.len(), h.slots.len(), h.backends.len(), h.source_ranges.len()].map(|n| n as u64)
+    }
+    fn has_frontend(&self, key: &FrontendKey) -> bool {
+        self.held.frontends.contains_key(key)
+    }
+    fn has_backend(&self, backend: &BackendTuple) -> bool {
+        self.backend_ids.contains_key(backend)
+    }
+    fn set_id(&self, set: &BackendSetKey) -> Option<u32> {
+        self.service_ids.get(&(set.service.to_string(), set.policy)).copied()
+    }
+    fn slots(&self, service_id: u32) -> u32 {
+        self.slot_counts.get(&service_id).copied().unwrap_or(0)
+    }
+    fn has_source_range(&self, service_id: u32, net: &IpNet) -> bool {
+        self.held.source_ranges.contains(&(service_id, *net))
     }
 }
 
