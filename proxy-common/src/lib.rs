@@ -7,6 +7,7 @@ pub mod addr;
 pub mod crc32c;
 pub mod csum;
 pub mod maps;
+pub mod reject_limit;
 
 pub use addr::Addr;
 pub use maps::*;

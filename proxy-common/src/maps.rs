@@ -419,6 +419,9 @@ pub enum Counter {
     /// A node packet translated at egress found no route to its backend
     /// (a backend on the node itself, or no forwarding): dropped.
     NodeRouteFailed = 23,
+    /// A REJECT over its source's budget (`reject_limit`): dropped
+    /// unanswered, as the kernel's ICMP rate limit drops its errors.
+    RejectLimited = 24,
 }
 
 /// Slots of the IPv6 program array: which IPv6 program each IPv4 program
@@ -452,12 +455,20 @@ pub const NODE6_PROG_INGRESS_REPLY: u32 = 1;
 pub const NODE6_PROG_FLOW: u32 = 2;
 pub const NODE6_PROG_COUNT: u32 = 3;
 
-pub const COUNTER_NAMES: [&str; 24] = [
+/// The REJECT programs, tail-called with the packet to reject (each with a
+/// stack of its own; `skb->cb[0]` says whether it is a node socket's packet
+/// met at egress, which goes back into the node's own stack).
+pub const MAP_REJECT_PROGRAMS: &str = "REJECT_PROGRAMS";
+pub const REJECT_PROG_V4: u32 = 0;
+pub const REJECT_PROG_V6: u32 = 1;
+pub const REJECT_PROG_COUNT: u32 = 2;
+
+pub const COUNTER_NAMES: [&str; 25] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",
     "fragment", "rebalanced", "rewrite_failed", "rejected", "drop_unallocated",
     "drop_source_range", "drop_no_local", "masqueraded", "snat_failed", "affinity_hit",
     "reject_failed", "extension_header", "snat_port_shared", "node_snat",
-    "reject_suppressed", "node_egress", "node_route_failed",
+    "reject_suppressed", "node_egress", "node_route_failed", "reject_limited",
 ];
 /// Slots of the pinned `COUNTERS` array: room to add counters without
 /// changing the map's layout (which an upgrade could not reuse). At most 32:

@@ -47,13 +47,14 @@ mod program {
         CT_LOOPBACK, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_REPLY, Counter, IPPROTO_TCP, IPV6_PROG_EGRESS,
         IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, LOOPBACK_IFINDEX, MASQUERADE_MARK, NODE_PROG_EGRESS,
         NODE_PROG_FLOW, NODE_PROG_INGRESS_REPLY, NODE6_PROG_EGRESS, NODE6_PROG_FLOW, NODE6_PROG_INGRESS_REPLY,
-        REVERSE_NAT_MARK, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE, SVC_SOURCE_RANGES,
+        REJECT_PROG_V4, REJECT_PROG_V6, REVERSE_NAT_MARK, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
+        SVC_SOURCE_RANGES, reject_limit::RejectBudget,
     };
 
     use crate::{
         conntrack,
         lb::{self, Miss},
-        maps::{IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, count},
+        maps::{IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, REJECT_BUDGETS, REJECT_PROGRAMS, count},
         masquerade, nat, nat6, parse, parse6, reject, reject6, route, skb, sock, trace,
     };
 
@@ -517,19 +518,73 @@ mod program {
         ctx.set_mark(crate::skb::mark(ctx) | bits);
     }
 
+    /// REJECT: a RST is never answered; anything else goes to tc_reject(6)
+    /// (a trace builds the reject inline, unlimited).
     #[inline(always)]
     fn reject_packet<const TRACE: bool, const V6: bool, const NODE: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
         if pkt.tcp_flags & parse::TCP_RST != 0 {
             note::<TRACE>(Counter::RejectSuppressed);
             return DROP;
         }
+        if TRACE {
+            return send_reject::<true, V6>(ctx, pkt, NODE);
+        }
+        skb::set_cb0(ctx, NODE as u32);
+        let _ = unsafe { REJECT_PROGRAMS.tail_call(ctx, if V6 { REJECT_PROG_V6 } else { REJECT_PROG_V4 }) };
+        count(Counter::RejectFailed);
+        DROP
+    }
+
+    /// A REJECT, by tail call from any program that decides one (each its
+    /// own stack): within its source's budget (`reject_limit`), the packet
+    /// becomes the reject and goes back; over it, dropped and counted.
+    #[classifier]
+    pub fn tc_reject(ctx: TcContext) -> i32 {
+        limited_reject::<false>(&ctx)
+    }
+
+    #[classifier]
+    pub fn tc_reject6(ctx: TcContext) -> i32 {
+        limited_reject::<true>(&ctx)
+    }
+
+    #[inline(always)]
+    fn limited_reject<const V6: bool>(ctx: &TcContext) -> i32 {
+        let parsed = if V6 { parse6::parse(ctx) } else { parse::parse(ctx) };
+        let Ok(pkt) = parsed else {
+            count(Counter::RejectFailed);
+            return DROP;
+        };
+        if !reject_budget_allows(&pkt.tuple.src) {
+            count(Counter::RejectLimited);
+            return DROP;
+        }
+        send_reject::<false, V6>(ctx, &pkt, skb::cb0(ctx) != 0)
+    }
+
+    #[inline(always)]
+    fn reject_budget_allows(source: &proxy_common::Addr) -> bool {
+        let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
+        if let Some(budget) = REJECT_BUDGETS.get_ptr_mut(source) {
+            // Per-CPU races between two rejects of one source only blur the
+            // count by one.
+            return unsafe { (*budget).allow(now) };
+        }
+        let mut budget = RejectBudget::full(now);
+        let allowed = budget.allow(now);
+        let _ = REJECT_BUDGETS.insert(source, &budget, 0);
+        allowed
+    }
+
+    #[inline(always)]
+    fn send_reject<const TRACE: bool, const V6: bool>(ctx: &TcContext, pkt: &parse::Packet, node: bool) -> i32 {
         let rejected = if V6 { reject6::reject(ctx, pkt) } else { reject::reject(ctx, pkt) };
         match rejected {
             Ok(()) => {
                 note::<TRACE>(Counter::Rejected);
                 // Back out of the interface, to a client behind it; for a node
                 // socket's packet met at egress, into the node's own stack.
-                let flags = if NODE { BPF_F_INGRESS as u64 } else { 0 };
+                let flags = if node { BPF_F_INGRESS as u64 } else { 0 };
                 unsafe { bpf_redirect(skb::ifindex(ctx), flags) as i32 }
             }
             Err(_) => {

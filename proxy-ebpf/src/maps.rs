@@ -95,6 +95,16 @@ pub static IPV6_PROGRAMS: ProgramArray = ProgramArray::pinned(IPV6_PROG_COUNT, 0
 #[map]
 pub static NODE_PROGRAMS: ProgramArray = ProgramArray::pinned(NODE_PROG_COUNT, 0);
 
+/// `tc_reject` and `tc_reject6` (`REJECT_PROG_*`).
+#[map]
+pub static REJECT_PROGRAMS: ProgramArray = ProgramArray::pinned(REJECT_PROG_COUNT, 0);
+
+/// Each source's REJECT budget. Not pinned: a restart gives every source a
+/// full bucket, which is what a quiet source has anyway.
+#[map]
+pub static REJECT_BUDGETS: LruHashMap<Addr, proxy_common::reject_limit::RejectBudget> =
+    LruHashMap::with_max_entries(proxy_common::reject_limit::MAX_REJECT_SOURCES, 0);
+
 /// `tc_egress_node6` and `tc_ingress_node_reply6` (`NODE6_PROG_*`).
 #[map]
 pub static NODE6_PROGRAMS: ProgramArray = ProgramArray::pinned(NODE6_PROG_COUNT, 0);

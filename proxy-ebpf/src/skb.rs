@@ -39,6 +39,17 @@ pub fn checksum_is_partial(ctx: &TcContext, off: usize) -> Result<bool, i64> {
     Ok(ctx.load::<u16>(off)? == PROBE)
 }
 
+/// `skb->cb[0]`: scratch the kernel keeps across a tail call.
+#[inline(always)]
+pub fn cb0(ctx: &TcContext) -> u32 {
+    unsafe { (*raw(ctx)).cb[0] }
+}
+
+#[inline(always)]
+pub fn set_cb0(ctx: &TcContext, value: u32) {
+    unsafe { (*(ctx.as_ptr() as *mut __sk_buff)).cb[0] = value };
+}
+
 /// An IPv6 frame, by `skb->protocol` (set by the kernel from the Ethernet
 /// header): one context load, so the IPv4 path pays no packet read for it.
 #[inline(always)]

@@ -263,7 +263,7 @@ fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64
 type EntryCounter = fn(&Path, &str) -> Result<u64>;
 
 /// How to count the entries of each pinned map: by its key and value types.
-const ENTRY_COUNTERS: [(&str, EntryCounter); 19] = {
+const ENTRY_COUNTERS: [(&str, EntryCounter); 20] = {
     use proxy_common::*;
     [
         (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>),
@@ -287,6 +287,7 @@ const ENTRY_COUNTERS: [(&str, EntryCounter); 19] = {
         (MAP_IPV6_PROGRAMS, |_, _| Ok(u64::from(IPV6_PROG_COUNT))),
         (MAP_NODE_PROGRAMS, |_, _| Ok(u64::from(NODE_PROG_COUNT))),
         (MAP_NODE6_PROGRAMS, |_, _| Ok(u64::from(NODE6_PROG_COUNT))),
+        (MAP_REJECT_PROGRAMS, |_, _| Ok(u64::from(REJECT_PROG_COUNT))),
     ]
 };
 
@@ -324,14 +325,26 @@ fn verdict_of(index: usize) -> (&'static str, &'static str) {
     let verdict = match index {
         i if [Passed, Malformed, Fragment, ExtensionHeader].iter().any(|c| *c as usize == i) => "passed",
         i if i == Rejected as usize => "rejected",
-        i if [NoBackend, CtFull, RewriteFailed, DropUnallocated, DropSourceRange, DropNoLocal, RejectFailed, RejectSuppressed]
-            .iter()
+        i if [
+            NoBackend,
+            CtFull,
+            RewriteFailed,
+            DropUnallocated,
+            DropSourceRange,
+            DropNoLocal,
+            RejectFailed,
+            RejectSuppressed,
+            RejectLimited,
+            NodeRouteFailed,
+        ]
+        .iter()
             .any(|c| *c as usize == i) =>
         {
             "dropped"
         }
         // NewFlow, Established, Reply, Rebalanced, Masqueraded, SnatFailed, AffinityHit,
-        // SnatPortShared, NodeSnat: the packet was translated (SnatFailed: without masquerade).
+        // SnatPortShared, NodeSnat, NodeEgress: the packet was translated (SnatFailed: without
+        // masquerade).
         _ => "translated",
     };
     (verdict, COUNTER_NAMES[index])
@@ -519,6 +532,8 @@ spec: {cidrs: [10.96.0.0/16, 10.96.0.0]}
         assert_eq!(verdict_of(DpCounter::NoBackend as usize), ("dropped", "no_backend"));
         assert_eq!(verdict_of(DpCounter::DropNoLocal as usize), ("dropped", "drop_no_local"));
         assert_eq!(verdict_of(DpCounter::Rejected as usize), ("rejected", "rejected"));
+        assert_eq!(verdict_of(DpCounter::RejectLimited as usize), ("dropped", "reject_limited"));
+        assert_eq!(verdict_of(DpCounter::NodeRouteFailed as usize), ("dropped", "node_route_failed"));
         assert_eq!(verdict_of(DpCounter::NewFlow as usize), ("translated", "new_flow"));
         assert_eq!(verdict_of(DpCounter::Fragment as usize), ("passed", "fragment"));
         let verdicts: std::collections::BTreeSet<_> = (0..COUNTER_NAMES.len()).map(|i| verdict_of(i).0).collect();

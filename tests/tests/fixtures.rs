@@ -641,6 +641,44 @@ fn untouched_fixtures() {
     assert_eq!(flows, 0, "untouched frames created {flows} conntrack entries");
 }
 
+/// REJECT is rate-limited per source, as the kernel limits its ICMP errors:
+/// a source that keeps knocking on a port without endpoints gets its burst
+/// answered, then silence (counted), while another source is still answered.
+/// The clock runs while the fixture does, so the bound on answers grows
+/// with the time the runs took.
+#[test]
+fn reject_rate_limit_fixtures() {
+    use proxy_common::reject_limit::{REJECT_BURST, REJECTS_PER_SEC};
+    let fx = Fixture::new("fixtures-reject-limit", install_services).unwrap();
+    let syn = |src: [u8; 4]| tcp_syn((src, 40000), (VIP_EMPTY, 80));
+    let before = fx.counters();
+    let started = std::time::Instant::now();
+    let mut answered = 0u64;
+    let mut limited = false;
+    for _ in 0..REJECT_BURST + 60 * REJECTS_PER_SEC {
+        let (verdict, _, _) = fx.run(proxy_user::maps::TC_INGRESS, &syn(CLIENT), 0).unwrap();
+        match verdict {
+            TC_ACT_REDIRECT => answered += 1,
+            TC_ACT_SHOT => {
+                limited = true;
+                break;
+            }
+            other => panic!("verdict {other} for a SYN to a port without endpoints"),
+        }
+    }
+    let took = started.elapsed().as_secs_f64();
+    assert!(limited, "{answered} rejects answered, none limited");
+    let most = REJECT_BURST + (REJECTS_PER_SEC as f64 * (took + 1.0)) as u64;
+    assert!((REJECT_BURST..=most).contains(&answered), "{answered} answered in {took:.2}s (burst {REJECT_BURST})");
+    let (verdict, _, _) = fx.run(proxy_user::maps::TC_INGRESS, &syn(EXTERNAL), 0).unwrap();
+    assert_eq!(verdict, TC_ACT_REDIRECT, "another source is still answered");
+    let after = fx.counters();
+    let moved = |c: Counter| after[c as usize] - before[c as usize];
+    assert_eq!(moved(Counter::RejectLimited), 1);
+    assert_eq!(moved(Counter::Rejected), answered + 1);
+    println!("reject rate limit: {answered} answered from one source in {took:.3}s, then dropped");
+}
+
 // ---------------------------------------------------------------- map checks
 
 fn ct_key(src: Endpoint, dst: Endpoint, proto: u8) -> CtKey {
