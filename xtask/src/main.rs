@@ -6,6 +6,7 @@ mod build;
 mod cargo;
 mod demo;
 mod image;
+mod kapisrv;
 mod test;
 mod vm;
 

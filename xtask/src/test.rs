@@ -1,4 +1,5 @@
-//! `xtask test [--test-threads N] [-- ARGS]`: builds everything, runs
+//! `xtask test [--test-threads N] [-- ARGS]`: builds everything (kapisrv,
+//! the API server of the Kubernetes source's tests, included), runs
 //! `cargo test --workspace --no-fail-fast`, and ends with one summary line.
 
 use std::{
@@ -26,6 +27,7 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
         eprintln!("xtask: warning: not root: the tests that need root will fail or skip");
     }
 
+    let kapisrv = crate::kapisrv::ensure_in_background();
     let mut build = cargo();
     build.args(["build", "--workspace", "--all-targets"]);
     run_cmd(build)?;
@@ -35,6 +37,14 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
     cmd.args(["test", "--workspace", "--no-fail-fast", "--"])
         .env("EBPF_PROXY_BIN", &bin)
         .stdout(Stdio::piped());
+    // A kapisrv that would not build fails the tests that need it, not the rest.
+    match kapisrv.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the kapisrv build thread panicked"))) {
+        Ok(dir) => cmd.env("EBPF_PROXY_KAPISRV_BIN", dir),
+        Err(e) => {
+            eprintln!("xtask: error: kapisrv: {e:#}");
+            cmd.env("EBPF_PROXY_KAPISRV_ERROR", format!("{e:#}"))
+        }
+    };
     if !opts.args.iter().any(|a| a.starts_with("--test-threads")) {
         let n = opts.test_threads.unwrap_or_else(|| {
             std::thread::available_parallelism().map_or(1, |n| n.get())

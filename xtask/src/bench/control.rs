@@ -9,9 +9,10 @@
 //!   directory; the pinned frontend map is polled until its ClusterIP shows.
 //!   The agent's log gives the part spent in its sync.
 //! - The same through the Kubernetes API source: the agent on `--kubeconfig`
-//!   against the fake API server (tests/src/fake_api.rs) holding the same
-//!   cluster; a new Service and its EndpointSlice are pushed as watch events
-//!   and the frontend map is polled until the Service has all its backends.
+//!   against kapisrv (a real API server on etcd, tests/src/kapisrv.rs)
+//!   holding the same cluster; a new Service and its EndpointSlice are
+//!   created through the API and the frontend map is polled until the
+//!   Service has all its backends.
 
 use std::{
     net::Ipv4Addr,
@@ -26,7 +27,7 @@ use proxy_tests::{
     bench::services::{self, Service, ServiceSet},
     bpffs::Bpffs,
     cgroup::Cgroup,
-    fake_api::FakeApi,
+    kapisrv::Kapisrv,
     netns::Netns,
 };
 use proxy_user::maps::Maps;
@@ -64,7 +65,7 @@ pub struct Phases {
 pub enum ChangeSource {
     /// A file renamed into `--manifests DIR`.
     Manifests,
-    /// Watch events from the (fake) Kubernetes API server.
+    /// Objects created in a Kubernetes API server (kapisrv).
     Api,
 }
 
@@ -72,7 +73,7 @@ impl ChangeSource {
     pub fn label(self) -> &'static str {
         match self {
             ChangeSource::Manifests => "manifests",
-            ChangeSource::Api => "Kubernetes API (mocked)",
+            ChangeSource::Api => "Kubernetes API (kapisrv)",
         }
     }
 }
@@ -182,26 +183,26 @@ fn one_scale(out: &mut Results, dir: &Path, scale: usize, changes: usize) -> Res
     }
     if CHANGE_SCALES.contains(&scale) {
         eprintln!("    control: {changes} changes through the Kubernetes API at {scale} services");
-        out.changes.push(api_changes_to_map(dir, scale, changes)?);
+        out.changes.push(api_changes_to_map(scale, changes)?);
     }
     Ok(())
 }
 
-/// The agent on `--kubeconfig` against a fake API server holding `scale`
-/// Services; adds `count` Services (each a Service then its EndpointSlice,
-/// as watch events) and times each from the Service's event to its frontend
-/// in the pinned map with every backend.
-fn api_changes_to_map(dir: &Path, scale: usize, count: usize) -> Result<ChangeRow> {
+/// The agent on `--kubeconfig` against kapisrv holding `scale` Services;
+/// adds `count` Services (each a Service then its EndpointSlice, created
+/// through the API) and times each from the Service's create request to its
+/// frontend in the pinned map with every backend.
+fn api_changes_to_map(scale: usize, count: usize) -> Result<ChangeRow> {
     let set = ServiceSet::new(scale);
     let ns = Netns::new(&format!("ep{}-bench-api", proxy_tests::unique_suffix()))?;
-    let api = FakeApi::start(&ns)?;
-    api.apply("nodes", serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}}));
+    let api = Kapisrv::start(Some(&ns))?;
+    api.apply(serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}}))?;
     let (svcs, slices): (Vec<_>, Vec<_>) = set.services.iter().map(services::api_objects).unzip();
-    api.apply_all("services", svcs);
-    api.apply_all("endpointslices", slices);
-    std::fs::create_dir_all(dir)?;
-    let kubeconfig = dir.join("kubeconfig");
-    api.write_kubeconfig(&kubeconfig)?;
+    let loading = Instant::now();
+    api.apply_all(svcs, 16)?;
+    api.apply_all(slices, 16)?;
+    eprintln!("      {scale} Services and EndpointSlices created in kapisrv in {:.1}s", loading.elapsed().as_secs_f64());
+    let kubeconfig = api.kubeconfig();
     let bpffs = Bpffs::new("bench-api")?;
     let root = bpffs.path().join("ebpf-proxy");
     let cgroup = Cgroup::new("bench-api")?;
@@ -219,8 +220,8 @@ fn api_changes_to_map(dir: &Path, scale: usize, count: usize) -> Result<ChangeRo
         let key = frontend_of(&svc);
         let (service, slice) = services::api_objects(&svc);
         let start = Instant::now();
-        api.apply("services", service);
-        api.apply("endpointslices", slice);
+        api.apply(service)?;
+        api.apply(slice)?;
         loop {
             if maps.frontends.get(&key, 0).is_ok_and(|e| e.backend_count as usize == svc.endpoints.len()) {
                 took.push(start.elapsed());

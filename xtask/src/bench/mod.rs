@@ -59,6 +59,11 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
         // before any thread exists.
         unsafe { std::env::set_var("EBPF_PROXY_BIN", &bin) };
     }
+    // The control plane's API figures are taken against kapisrv.
+    if wants(Family::Control) {
+        let kapisrv = crate::kapisrv::ensure()?;
+        unsafe { std::env::set_var("EBPF_PROXY_KAPISRV_BIN", &kapisrv) };
+    }
     let work = tempfile_dir()?;
 
     let mut m = Measured { command: command_line(opts), ..Measured::default() };

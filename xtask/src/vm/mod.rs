@@ -91,13 +91,20 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
     if !args.iter().any(|a| a.starts_with("--test-threads")) {
         args.insert(0, format!("--test-threads={}", opts.test_threads.unwrap_or(opts.cpus)));
     }
-    let script = suite::script(&tests, &agent, &args);
+    // The Kubernetes source's tests start kapisrv: its binaries are shared too.
+    let kapisrv = if tests.iter().any(|t| crate::kapisrv::TESTS.contains(&t.name.as_str())) {
+        Some(crate::kapisrv::ensure()?)
+    } else {
+        None
+    };
+    let script = suite::script(&tests, &agent, kapisrv.as_deref(), &args);
 
     let target = target_dir()?;
     let mut readonly = vec![workspace_root().to_path_buf()];
     if !target.starts_with(workspace_root()) {
         readonly.push(target.clone());
     }
+    readonly.extend(kapisrv.filter(|k| !k.starts_with(workspace_root())));
     if let Some(p) = readonly.iter().find(|p| p.to_string_lossy().contains([' ', ',', '"'])) {
         bail!("{} has a space, comma or quote: it cannot go on the VM's kernel command line", p.display());
     }

@@ -18,10 +18,12 @@ pub const SUITE: &str = "bookworm";
 
 /// `essential` (dpkg's Essential: yes set: sh, bash, coreutils, util-linux's
 /// setpriv, ...) plus these: `ip`/`tc`, `ethtool`, `modprobe`, `sysctl`,
-/// `mount`, the shared libraries the test binaries link, and the CA store
+/// `mount`, the shared libraries the test binaries link, the CA store
 /// without which the agent's Kubernetes client (rustls with the platform
-/// verifier) refuses to start.
-pub const PACKAGES: &[&str] = &["iproute2", "ethtool", "kmod", "procps", "mount", "libgcc-s1", "ca-certificates"];
+/// verifier) refuses to start, and `curl`, `openssl` and `awk`, with which
+/// kapisrv's scripts (tests/kapisrv) make certificates, wait for readiness
+/// and find their processes.
+pub const PACKAGES: &[&str] = &["iproute2", "ethtool", "kmod", "procps", "mount", "libgcc-s1", "ca-certificates", "curl", "openssl", "mawk"];
 
 /// Nobody reads documentation in the VM; leaving it out halves the archive.
 const DPKG_OPTS: &[&str] = &[

@@ -72,11 +72,14 @@ pub fn build(only: &[String]) -> Result<Vec<TestBinary>> {
 }
 
 /// The script that runs `tests` one after the other, each with `args`, as
-/// `xtask test` runs them on the host (EBPF_PROXY_BIN set), and exits 1 if
-/// any failed.
-pub fn script(tests: &[TestBinary], agent: &Path, args: &[String]) -> String {
+/// `xtask test` runs them on the host (EBPF_PROXY_BIN set, and
+/// EBPF_PROXY_KAPISRV_BIN where kapisrv was built), and exits 1 if any failed.
+pub fn script(tests: &[TestBinary], agent: &Path, kapisrv: Option<&Path>, args: &[String]) -> String {
     let mut s = String::from("# Written by `cargo xtask vm-test`; run by init.sh inside the VM.\n");
     s += &format!("export EBPF_PROXY_BIN={}\n", quote(&agent.to_string_lossy()));
+    if let Some(k) = kapisrv {
+        s += &format!("export EBPF_PROXY_KAPISRV_BIN={}\n", quote(&k.to_string_lossy()));
+    }
     // The knobs the tests read from the environment go along.
     for (k, v) in std::env::vars() {
         if FORWARDED.iter().any(|f| k == *f || (f.ends_with('_') && k.starts_with(f))) {
