@@ -59,7 +59,9 @@ pub fn source_allowed(service: &ServiceEntry, src: &Addr) -> bool {
 
 /// The client's sticky backend if it is recent and still exists, else a
 /// random slot of the service's backend set (remembered for affinity unless
-/// `remember` is false: a trace must not change state).
+/// `remember` is false: a trace must not change state). Existing is enough:
+/// the agent deletes every entry whose backend left its service's set, and
+/// reuses a freed ID only after that (reconciler.rs, `purge_affinity`).
 #[inline(always)]
 pub fn choose_backend(service: &ServiceEntry, client: &Addr, remember_choice: bool) -> Option<(u32, Backend, bool)> {
     if service.backend_count == 0 {

@@ -259,6 +259,7 @@ impl Syncer {
                     backends = stats.backends,
                     writes = stats.writes,
                     deletes = stats.deletes,
+                    affinity_purged = stats.affinity_purged,
                     skipped_objects = self.last_errors.len(),
                     waiting_for_room = self.model.refused(),
                     elapsed_us = start.elapsed().as_micros() as u64,

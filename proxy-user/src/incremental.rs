@@ -818,6 +818,13 @@ mod tests {
         fn del_service_cidr(&mut self, n: &ipnet::IpNet) -> anyhow::Result<()> {
             self.maps.del_service_cidr(n)
         }
+        fn purge_affinity(
+            &mut self,
+            settle: bool,
+            stale: &mut dyn FnMut(&proxy_common::AffinityKey, &proxy_common::AffinityEntry) -> bool,
+        ) -> anyhow::Result<usize> {
+            self.maps.purge_affinity(settle, stale)
+        }
     }
 
     /// A LoadBalancer Service `a/NAME` on ClusterIP 10.96.1.IP and LB IP

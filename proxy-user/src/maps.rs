@@ -98,6 +98,8 @@ pub struct Maps {
     pub cluster_cidrs: LpmTrie<MapData, CidrData, u8>,
     pub service_cidrs: LpmTrie<MapData, CidrData, u8>,
     pub source_ranges: LpmTrie<MapData, SourceRangeData, u8>,
+    /// sessionAffinity: the datapath writes it, the reconciler purges it.
+    pub affinity: HashMap<MapData, AffinityKey, AffinityEntry>,
 }
 
 /// Fails with what to do when `root` is not on a bpffs; creates it only when
@@ -166,6 +168,7 @@ pub fn load_with_snat_ports(root: &Path, ports: &SnatPorts, features: &Features)
         cluster_cidrs: take(MAP_CLUSTER_CIDRS)?.try_into()?,
         service_cidrs: take(MAP_SERVICE_CIDRS)?.try_into()?,
         source_ranges: take(MAP_SOURCE_RANGES)?.try_into()?,
+        affinity: take(MAP_AFFINITY)?.try_into()?,
     };
     // An agent stopped between a removal and its bump leaves flows that
     // would skip their check: every flow checks its backend once more.
@@ -196,6 +199,7 @@ impl Maps {
             cluster_cidrs: open_pin(root, MAP_CLUSTER_CIDRS)?.try_into()?,
             service_cidrs: open_pin(root, MAP_SERVICE_CIDRS)?.try_into()?,
             source_ranges: open_pin(root, MAP_SOURCE_RANGES)?.try_into()?,
+            affinity: open_pin(root, MAP_AFFINITY)?.try_into()?,
         })
     }
 
@@ -305,6 +309,59 @@ impl MapWriter for Maps {
     fn del_service_cidr(&mut self, net: &IpNet) -> Result<()> {
         let (len, addr) = lpm_prefix(net);
         named(MAP_SERVICE_CIDRS, MAX_CIDRS, self.service_cidrs.remove(&Key::new(len, CidrData { addr })))
+    }
+    /// Two passes: the stale keys first, then each deleted if still stale
+    /// (the datapath may have rewritten it meanwhile; deleting while walking
+    /// would restart the walk at every deleted key).
+    fn purge_affinity(&mut self, settle: bool, stale: &mut dyn FnMut(&AffinityKey, &AffinityEntry) -> bool) -> Result<usize> {
+        if settle {
+            wait_for_running_programs();
+        }
+        let mut doomed = Vec::new();
+        // A key that vanishes under the walk (LRU eviction) restarts it from
+        // the first key: bounded, and an unfinished walk is an error (the
+        // reconciler keeps the freed IDs out of use and tries again).
+        let mut visited = 0u32;
+        for kv in self.affinity.iter() {
+            let (key, entry) = named(MAP_AFFINITY, MAX_AFFINITY, kv)?;
+            visited += 1;
+            anyhow::ensure!(visited <= 4 * MAX_AFFINITY, "map {MAP_AFFINITY}: the walk does not end (entries churning)");
+            if stale(&key, &entry) {
+                doomed.push(key);
+            }
+        }
+        let mut purged = 0;
+        for key in doomed {
+            let entry = match self.affinity.get(&key, 0) {
+                Ok(entry) => entry,
+                Err(MapError::KeyNotFound) => continue,
+                Err(e) => return named(MAP_AFFINITY, MAX_AFFINITY, Err(e)),
+            };
+            if !stale(&key, &entry) {
+                continue;
+            }
+            match self.affinity.remove(&key) {
+                Ok(()) => purged += 1,
+                Err(MapError::SyscallError(aya::sys::SyscallError { io_error, .. })) if io_error.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) => return named(MAP_AFFINITY, MAX_AFFINITY, Err(e)),
+            }
+        }
+        Ok(purged)
+    }
+}
+
+/// Returns once every BPF program running when it was called has finished:
+/// `membarrier(MEMBARRIER_CMD_GLOBAL)` waits for an RCU grace period
+/// (`synchronize_rcu`), and the programs run inside RCU read-side sections,
+/// as the kernel itself relies on when it waits for programs to stop using
+/// a map. About 10 ms. Where it is refused (`nohz_full` kernels), a sleep
+/// far longer than a program runs.
+fn wait_for_running_programs() {
+    const MEMBARRIER_CMD_GLOBAL: libc::c_int = 1;
+    // SAFETY: membarrier takes two integers and touches no memory of ours.
+    let done = unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_GLOBAL, 0) } == 0;
+    if !done {
+        std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
 

@@ -4,6 +4,12 @@
 //! removals last. IDs come from what the maps already hold, so a restarted
 //! agent keeps every service and backend ID and no flow is disturbed. The
 //! service CIDRs, a handful of prefixes, are compared whole on every sync.
+//!
+//! IDs are reused, lowest free first, but never while an AFFINITY entry
+//! may name them: a sync that takes a backend out of a service's set, or
+//! frees an ID, then deletes every affinity entry whose backend is not in
+//! its service's current set, and only then may the freed IDs be handed
+//! out again (see `purge_affinity`).
 
 use std::{
     collections::{BTreeSet, HashMap, HashSet},
@@ -12,7 +18,10 @@ use std::{
 
 use anyhow::{Context, Result};
 use ipnet::IpNet;
-use proxy_common::{Addr, Backend, FrontendKey, KIND_CLUSTER_IP, ServiceEntry, ServiceName, SlotKey, cluster_ip_marker};
+use proxy_common::{
+    Addr, AffinityEntry, AffinityKey, Backend, FrontendKey, KIND_CLUSTER_IP, ServiceEntry, ServiceName, SlotKey,
+    cluster_ip_marker,
+};
 
 use crate::{
     incremental::Touched,
@@ -31,6 +40,10 @@ pub struct Contents {
     pub source_ranges: HashSet<(u32, IpNet)>,
     /// Where an address no Service owns is dropped.
     pub service_cidrs: BTreeSet<IpNet>,
+    /// sessionAffinity entries. The datapath writes them; the agent only
+    /// deletes stale ones (`MapWriter::purge_affinity`), never reads them
+    /// into `Reconciler::held`: here for tests that stand in for the maps.
+    pub affinity: HashMap<AffinityKey, AffinityEntry>,
 }
 
 /// Writes to the datapath maps. The real one is `maps::Maps`; tests use `Contents`.
@@ -47,6 +60,12 @@ pub trait MapWriter {
     fn del_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()>;
     fn put_service_cidr(&mut self, net: &IpNet) -> Result<()>;
     fn del_service_cidr(&mut self, net: &IpNet) -> Result<()>;
+    /// Deletes every AFFINITY entry `stale` picks and returns how many went.
+    /// With `settle`, first waits until every BPF program running now has
+    /// finished: one that read the maps before the removals just made could
+    /// otherwise still write an entry naming a removed backend after the
+    /// scan went past it.
+    fn purge_affinity(&mut self, settle: bool, stale: &mut dyn FnMut(&AffinityKey, &AffinityEntry) -> bool) -> Result<usize>;
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +74,9 @@ pub struct SyncStats {
     pub deletes: usize,
     pub frontends: usize,
     pub backends: usize,
+    /// AFFINITY entries deleted: they named a backend no longer in their
+    /// service's set (or a freed ID).
+    pub affinity_purged: usize,
 }
 
 pub struct Reconciler {
@@ -67,6 +89,13 @@ pub struct Reconciler {
     free_service_ids: FreeIds,
     free_backend_ids: FreeIds,
     slot_counts: HashMap<u32, u32>,
+    /// A slot lost its backend, or an ID was freed, since AFFINITY was last
+    /// purged (or the maps were adopted, with whatever entries a previous
+    /// agent left): some entry may name a backend its service no longer has.
+    affinity_purge_due: bool,
+    /// A frontend with ClientIP affinity was in the maps since the last
+    /// purge, so programs may be writing entries while it runs.
+    affinity_served: bool,
 }
 
 impl Reconciler {
@@ -86,6 +115,11 @@ impl Reconciler {
             service_ids,
             backend_ids,
             slot_counts,
+            // A previous agent may have freed IDs that entries still name
+            // (stopped before its purge, or an older build): no ID is handed
+            // out before the first purge (`sync` starts with it).
+            affinity_purge_due: true,
+            affinity_served: true,
         }
     }
 
@@ -95,33 +129,73 @@ impl Reconciler {
 
     /// Makes the maps hold `desired`, looking at every entry.
     pub fn sync(&mut self, desired: &DesiredState, maps: &mut impl MapWriter) -> Result<SyncStats> {
+        let leftover = self.purge_affinity(maps)?;
         let everything = Keys {
             sets: desired.backend_sets.keys().collect(),
             frontends: desired.frontends.keys().copied().collect(),
             cluster_ips: desired.cluster_ips.iter().copied().collect(),
             backends: desired.backends.keys().copied().collect(),
         };
-        let (mut stats, set_ids) = self.apply(desired, &everything, maps)?;
-        stats.deletes += self.remove_unwanted(desired, &set_ids, maps)?;
-        stats.frontends = self.held.frontends.len();
-        stats.backends = self.held.backends.len();
-        Ok(stats)
+        let applied = self.apply(desired, &everything, maps).and_then(|(mut stats, set_ids)| {
+            stats.deletes += self.remove_unwanted(desired, &set_ids, maps)?;
+            Ok(stats)
+        });
+        self.finish(applied, leftover, maps)
     }
 
     /// Like `sync`, looking only at the entries of `touched`: everything
     /// else must already be as `desired` says (the last sync succeeded, and
     /// `touched` holds every key that changed since).
     pub fn sync_touched(&mut self, desired: &DesiredState, touched: &Touched, maps: &mut impl MapWriter) -> Result<SyncStats> {
+        let leftover = self.purge_affinity(maps)?;
         let keys = Keys {
             sets: touched.sets.iter().collect(),
             frontends: touched.frontends.iter().copied().collect(),
             cluster_ips: touched.cluster_ips.iter().copied().collect(),
             backends: touched.backends.iter().copied().collect(),
         };
-        let (mut stats, _) = self.apply(desired, &keys, maps)?;
+        let applied = self.apply(desired, &keys, maps).map(|(stats, _)| stats);
+        self.finish(applied, leftover, maps)
+    }
+
+    /// After a sync's writes (whether or not all succeeded): AFFINITY purged
+    /// of what they removed, the freed IDs reopened, the totals.
+    fn finish(&mut self, applied: Result<SyncStats>, leftover: usize, maps: &mut impl MapWriter) -> Result<SyncStats> {
+        let purged = self.purge_affinity(maps);
+        let mut stats = applied?;
+        stats.affinity_purged = leftover + purged?;
         stats.frontends = self.held.frontends.len();
         stats.backends = self.held.backends.len();
         Ok(stats)
+    }
+
+    /// If a removal is pending: deletes every AFFINITY entry whose backend
+    /// is not in its service's current set (`held`, which the maps hold),
+    /// then hands the IDs freed before it out again. Covers every way an
+    /// entry goes stale: its backend left the set (while the ID lives on in
+    /// another service's set), its backend ID or its service ID was freed
+    /// (no slot names them) — so a reused ID never inherits an entry and a
+    /// sticky client never follows an ID to another Service's pod.
+    fn purge_affinity(&mut self, maps: &mut impl MapWriter) -> Result<usize> {
+        if !self.affinity_purge_due {
+            return Ok(0);
+        }
+        let (slots, counts) = (&self.held.slots, &self.slot_counts);
+        // Each service's backends, built for the services entries name.
+        let mut sets: HashMap<u32, HashSet<u32>> = HashMap::new();
+        let mut stale = |key: &AffinityKey, entry: &AffinityEntry| {
+            let set = sets.entry(key.service_id).or_insert_with(|| {
+                let n = counts.get(&key.service_id).copied().unwrap_or(0);
+                (0..n).filter_map(|slot| slots.get(&SlotKey { service_id: key.service_id, slot }).copied()).collect()
+            });
+            !set.contains(&entry.backend_id)
+        };
+        let purged = maps.purge_affinity(self.affinity_served, &mut stale).context("purging stale session affinity entries")?;
+        self.affinity_purge_due = false;
+        self.affinity_served = self.held.frontends.values().any(|e| e.affinity_timeout_s != 0);
+        self.free_service_ids.reopen();
+        self.free_backend_ids.reopen();
+        Ok(purged)
     }
 
     /// Writes and removes the entries of the `touched` keys.
@@ -145,7 +219,7 @@ impl Reconciler {
             if self.held.backends.get(&id) != Some(&want) {
                 if let Err(e) = maps.put_backend(id, &want) {
                     if !self.backend_ids.contains_key(t) {
-                        self.free_backend_ids.release(id);
+                        self.free_backend_ids.give_back(id);
                     }
                     return Err(e).with_context(|| format!("backend {addr}:{port}"));
                 }
@@ -162,7 +236,7 @@ impl Reconciler {
                 None => {
                     let id = self.free_service_ids.take();
                     if let Err(e) = maps.put_name(id, &ServiceName::new(&name, set.policy)) {
-                        self.free_service_ids.release(id);
+                        self.free_service_ids.give_back(id);
                         return Err(e).with_context(|| format!("service {name}"));
                     }
                     self.held.names.insert(id, (name.clone(), set.policy));
@@ -181,7 +255,8 @@ impl Reconciler {
                 let backend_id = self.backend_ids[&(b.addr, b.port, b.proto)];
                 if self.held.slots.get(&key) != Some(&backend_id) {
                     maps.put_slot(&key, backend_id).with_context(|| format!("service {}: backend slot {slot}", set.service))?;
-                    self.held.slots.insert(key, backend_id);
+                    // The slot's previous backend may have left the set.
+                    self.affinity_purge_due |= self.held.slots.insert(key, backend_id).is_some();
                     let n = self.slot_counts.entry(service_id).or_default();
                     *n = (*n).max(slot as u32 + 1);
                     stats.writes += 1;
@@ -210,6 +285,7 @@ impl Reconciler {
                         maps.put_frontend(&key, &want)
                             .with_context(|| format!("frontend {}:{}", key.addr, u16::from_be(key.port)))?;
                         self.held.frontends.insert(key, want);
+                        self.affinity_served |= want.affinity_timeout_s != 0;
                         stats.writes += 1;
                     }
                 }
@@ -260,6 +336,7 @@ impl Reconciler {
             self.held.names.remove(&id);
             self.service_ids.remove(&(name, set.policy));
             self.free_service_ids.release(id);
+            self.affinity_purge_due = true;
             stats.deletes += 1;
         }
         for net in self.held.service_cidrs.difference(&desired.service_cidrs).copied().collect::<Vec<_>>() {
@@ -276,6 +353,7 @@ impl Reconciler {
             self.held.backends.remove(&id);
             self.backend_ids.remove(t);
             self.free_backend_ids.release(id);
+            self.affinity_purge_due = true;
             stats.deletes += 1;
         }
         Ok((stats, set_ids))
@@ -320,6 +398,7 @@ impl Reconciler {
                 self.service_ids.remove(&key);
             }
             self.free_service_ids.release(id);
+            self.affinity_purge_due = true;
             deletes += 1;
         }
         let stale: Vec<(BackendTuple, u32)> =
@@ -329,6 +408,7 @@ impl Reconciler {
             self.held.backends.remove(&id);
             self.backend_ids.remove(&t);
             self.free_backend_ids.release(id);
+            self.affinity_purge_due = true;
             deletes += 1;
         }
         Ok(deletes)
@@ -343,6 +423,7 @@ impl Reconciler {
             if self.held.slots.contains_key(&key) {
                 maps.del_slot(&key)?;
                 self.held.slots.remove(&key);
+                self.affinity_purge_due = true;
                 deletes += 1;
             }
         }
@@ -407,17 +488,23 @@ struct Keys<'k> {
     backends: Vec<BackendTuple>,
 }
 
-/// Hands out the lowest IDs (from 1) not in use. Reusing a freed ID is safe:
-/// conntrack checks that a backend ID still names the same address and port.
+/// Hands out the lowest IDs (from 1) not in use. A freed ID stays out of
+/// use (quarantined) until `reopen`, which the reconciler calls once it has
+/// purged every AFFINITY entry that could name it: an entry never outlives
+/// its ID into the ID's next life. Conntrack entries name backend IDs too,
+/// but only to notice a removal: a flow is sent to the address in its own
+/// entry, and is balanced again once its ID names another address.
 struct FreeIds {
     used: BTreeSet<u32>,
+    /// Freed, still in `used` until `reopen`.
+    quarantined: Vec<u32>,
     /// No ID below this is free.
     next: u32,
 }
 
 impl FreeIds {
     fn new(used: impl Iterator<Item = u32>) -> Self {
-        FreeIds { used: used.collect(), next: 1 }
+        FreeIds { used: used.collect(), quarantined: Vec::new(), next: 1 }
     }
 
     fn take(&mut self) -> u32 {
@@ -428,9 +515,22 @@ impl FreeIds {
         self.next
     }
 
+    /// An ID the maps no longer hold: free after the next `reopen`.
     fn release(&mut self, id: u32) {
+        self.quarantined.push(id);
+    }
+
+    /// An ID just taken whose first write failed: nothing can name it.
+    fn give_back(&mut self, id: u32) {
         self.used.remove(&id);
         self.next = self.next.min(id.max(1));
+    }
+
+    /// Frees every quarantined ID.
+    fn reopen(&mut self) {
+        for id in std::mem::take(&mut self.quarantined) {
+            self.give_back(id);
+        }
     }
 }
 
@@ -482,6 +582,11 @@ impl MapWriter for Contents {
     fn del_service_cidr(&mut self, net: &IpNet) -> Result<()> {
         self.service_cidrs.remove(net);
         Ok(())
+    }
+    fn purge_affinity(&mut self, _settle: bool, stale: &mut dyn FnMut(&AffinityKey, &AffinityEntry) -> bool) -> Result<usize> {
+        let before = self.affinity.len();
+        self.affinity.retain(|k, v| !stale(k, v));
+        Ok(before - self.affinity.len())
     }
 }
 
@@ -616,6 +721,9 @@ mod tests {
             fn del_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> { self.0.del_source_range(id, n) }
             fn put_service_cidr(&mut self, n: &IpNet) -> Result<()> { self.0.put_service_cidr(n) }
             fn del_service_cidr(&mut self, n: &IpNet) -> Result<()> { self.0.del_service_cidr(n) }
+            fn purge_affinity(&mut self, settle: bool, stale: &mut dyn FnMut(&AffinityKey, &AffinityEntry) -> bool) -> Result<usize> {
+                self.0.purge_affinity(settle, stale)
+            }
         }
         let d = desired(&[("a", "10.96.0.1", &["10.0.0.1"])]);
         let mut maps = FailOnce(Contents::default(), true);
@@ -624,5 +732,271 @@ mod tests {
         assert!(maps.0.frontends.is_empty(), "no frontend may point at unwritten slots");
         r.sync(&d, &mut maps).unwrap();
         assert_eq!(resolve(&maps.0, "10.96.0.1"), ["10.0.0.1"]);
+    }
+
+    /// The same services with sessionAffinity ClientIP on every frontend.
+    fn sticky(mut d: DesiredState) -> DesiredState {
+        for f in d.frontends.values_mut() {
+            f.affinity_timeout_s = 10_800;
+        }
+        d
+    }
+
+    /// A new connection as `lb::choose_backend` makes it: the client's
+    /// affinity entry if its backend ID exists, else slot 0, remembered.
+    fn connect(c: &mut Contents, vip: &str, client: &str) -> String {
+        let fe = c.frontends[&frontend(vip)];
+        let key = AffinityKey { service_id: fe.service_id, client: Addr::from(client.parse::<IpAddr>().unwrap()) };
+        if let Some(stuck) = c.affinity.get(&key)
+            && let Some(b) = c.backends.get(&stuck.backend_id)
+        {
+            return b.addr.to_string();
+        }
+        let id = c.slots[&SlotKey { service_id: fe.service_id, slot: 0 }];
+        c.affinity.insert(key, AffinityEntry { backend_id: id, ..Default::default() });
+        c.backends[&id].addr.to_string()
+    }
+
+    fn backend_id(c: &Contents, ip: &str) -> u32 {
+        let addr = Addr::from(ip.parse::<IpAddr>().unwrap());
+        *c.backends.iter().find(|(_, b)| b.addr == addr).unwrap().0
+    }
+
+    /// Contents that log each call, and fail the next `fail_purges` purges.
+    #[derive(Default)]
+    struct Recorder {
+        maps: Contents,
+        log: Vec<String>,
+        fail_purges: usize,
+    }
+
+    impl MapWriter for Recorder {
+        fn put_backend(&mut self, id: u32, b: &Backend) -> Result<()> {
+            self.log.push(format!("put_backend {id}"));
+            self.maps.put_backend(id, b)
+        }
+        fn del_backend(&mut self, id: u32) -> Result<()> {
+            self.log.push(format!("del_backend {id}"));
+            self.maps.del_backend(id)
+        }
+        fn put_slot(&mut self, k: &SlotKey, v: u32) -> Result<()> {
+            self.maps.put_slot(k, v)
+        }
+        fn del_slot(&mut self, k: &SlotKey) -> Result<()> {
+            self.maps.del_slot(k)
+        }
+        fn put_frontend(&mut self, k: &FrontendKey, e: &ServiceEntry) -> Result<()> {
+            self.maps.put_frontend(k, e)
+        }
+        fn del_frontend(&mut self, k: &FrontendKey) -> Result<()> {
+            self.maps.del_frontend(k)
+        }
+        fn put_name(&mut self, id: u32, n: &ServiceName) -> Result<()> {
+            self.log.push(format!("put_name {id}"));
+            self.maps.put_name(id, n)
+        }
+        fn del_name(&mut self, id: u32) -> Result<()> {
+            self.log.push(format!("del_name {id}"));
+            self.maps.del_name(id)
+        }
+        fn put_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> {
+            self.maps.put_source_range(id, n)
+        }
+        fn del_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> {
+            self.maps.del_source_range(id, n)
+        }
+        fn put_service_cidr(&mut self, n: &IpNet) -> Result<()> {
+            self.maps.put_service_cidr(n)
+        }
+        fn del_service_cidr(&mut self, n: &IpNet) -> Result<()> {
+            self.maps.del_service_cidr(n)
+        }
+        fn purge_affinity(&mut self, settle: bool, stale: &mut dyn FnMut(&AffinityKey, &AffinityEntry) -> bool) -> Result<usize> {
+            if self.fail_purges > 0 {
+                self.fail_purges -= 1;
+                self.log.push("purge failed".into());
+                anyhow::bail!("map AFFINITY: walk failed");
+            }
+            self.log.push(format!("purge settle={settle}"));
+            self.maps.purge_affinity(settle, stale)
+        }
+    }
+
+    #[test]
+    fn free_ids_are_quarantined_until_reopened() {
+        let mut ids = FreeIds::new([].into_iter());
+        assert_eq!((ids.take(), ids.take(), ids.take()), (1, 2, 3));
+        ids.release(1);
+        ids.release(2);
+        assert_eq!(ids.take(), 4, "a freed ID is not handed out before the purge");
+        ids.reopen();
+        assert_eq!((ids.take(), ids.take(), ids.take()), (1, 2, 5), "then the lowest free first again");
+        // An ID whose first write failed was never seen: back at once.
+        let id = ids.take();
+        ids.give_back(id);
+        assert_eq!(ids.take(), id);
+    }
+
+    /// The reviewer's case: a sticky client stays quiet while its only
+    /// endpoint is replaced; another Service then gets a new endpoint,
+    /// which takes the freed backend ID. The client's next connection must
+    /// stay on its own Service.
+    #[test]
+    fn a_sticky_client_never_follows_a_reused_backend_id_to_another_service() {
+        let mut maps = Contents::default();
+        let mut r = Reconciler::adopt(Contents::default());
+        let step = |a: &[&str], b: &[&str]| sticky(desired(&[("a", "10.96.0.1", a), ("b", "10.96.0.2", b)]));
+        r.sync(&step(&["10.0.0.1"], &[]), &mut maps).unwrap();
+        assert_eq!(connect(&mut maps, "10.96.0.1", "10.244.0.2"), "10.0.0.1");
+        let old = backend_id(&maps, "10.0.0.1");
+
+        let stats = r.sync(&step(&["10.0.0.2"], &[]), &mut maps).unwrap();
+        assert_eq!(stats.affinity_purged, 1);
+        assert!(maps.affinity.is_empty(), "the entry naming the removed backend went with it: {:?}", maps.affinity);
+
+        r.sync(&step(&["10.0.0.2"], &["10.0.0.3"]), &mut maps).unwrap();
+        assert_eq!(backend_id(&maps, "10.0.0.3"), old, "IDs are still reused, lowest first");
+        for _ in 0..3 {
+            assert_eq!(connect(&mut maps, "10.96.0.1", "10.244.0.2"), "10.0.0.2", "a's client stays on a's endpoints");
+        }
+    }
+
+    #[test]
+    fn a_reused_service_id_inherits_no_entries() {
+        let mut maps = Contents::default();
+        let mut r = Reconciler::adopt(Contents::default());
+        // d keeps 10.0.0.1's backend ID alive after a goes.
+        r.sync(&sticky(desired(&[("a", "10.96.0.1", &["10.0.0.1"]), ("d", "10.96.0.4", &["10.0.0.1"])])), &mut maps).unwrap();
+        assert_eq!(connect(&mut maps, "10.96.0.1", "10.244.0.2"), "10.0.0.1");
+        let a_id = maps.frontends[&frontend("10.96.0.1")].service_id;
+
+        r.sync(&sticky(desired(&[("d", "10.96.0.4", &["10.0.0.1"])])), &mut maps).unwrap();
+        r.sync(&sticky(desired(&[("d", "10.96.0.4", &["10.0.0.1"]), ("c", "10.96.0.3", &["10.0.0.5"])])), &mut maps).unwrap();
+        assert_eq!(maps.frontends[&frontend("10.96.0.3")].service_id, a_id, "c took a's freed service ID");
+        assert_eq!(connect(&mut maps, "10.96.0.3", "10.244.0.2"), "10.0.0.5", "not a's old backend, still d's");
+    }
+
+    #[test]
+    fn an_entry_lives_while_its_backend_is_in_its_own_service_set() {
+        let mut maps = Contents::default();
+        let mut r = Reconciler::adopt(Contents::default());
+        let both = |a: &[&str]| sticky(desired(&[("a", "10.96.0.1", a), ("b", "10.96.0.2", &["10.0.0.1"])]));
+        r.sync(&both(&["10.0.0.1", "10.0.0.2"]), &mut maps).unwrap();
+        assert_eq!(connect(&mut maps, "10.96.0.1", "10.244.0.2"), "10.0.0.1");
+        assert_eq!(connect(&mut maps, "10.96.0.2", "10.244.0.2"), "10.0.0.1");
+
+        // Other endpoints come and go, the sticky one moves slot: kept.
+        r.sync(&both(&["10.0.0.3", "10.0.0.1"]), &mut maps).unwrap();
+        assert_eq!(maps.affinity.len(), 2);
+        assert_eq!(connect(&mut maps, "10.96.0.1", "10.244.0.2"), "10.0.0.1");
+
+        // 10.0.0.1 leaves a's set, its ID lives on in b's: only a's entry goes.
+        let stats = r.sync(&both(&["10.0.0.3"]), &mut maps).unwrap();
+        assert_eq!(stats.affinity_purged, 1);
+        let b_id = maps.frontends[&frontend("10.96.0.2")].service_id;
+        assert_eq!(maps.affinity.keys().map(|k| k.service_id).collect::<Vec<_>>(), [b_id]);
+        assert_eq!(connect(&mut maps, "10.96.0.1", "10.244.0.2"), "10.0.0.3");
+        assert_eq!(connect(&mut maps, "10.96.0.2", "10.244.0.2"), "10.0.0.1");
+    }
+
+    #[test]
+    fn incremental_syncs_purge_too() {
+        let mut maps = Contents::default();
+        let mut r = Reconciler::adopt(Contents::default());
+        let d1 = sticky(desired(&[("a", "10.96.0.1", &["10.0.0.1"]), ("b", "10.96.0.2", &[])]));
+        r.sync(&d1, &mut maps).unwrap();
+        connect(&mut maps, "10.96.0.1", "10.244.0.2");
+        let d2 = sticky(desired(&[("a", "10.96.0.1", &["10.0.0.2"]), ("b", "10.96.0.2", &[])]));
+        let touched = Touched {
+            sets: [set("a")].into_iter().collect(),
+            backends: [(ip("10.0.0.1"), 8080, IPPROTO_TCP), (ip("10.0.0.2"), 8080, IPPROTO_TCP)].into_iter().collect(),
+            frontends: [frontend("10.96.0.1")].into_iter().collect(),
+            ..Default::default()
+        };
+        assert_eq!(r.sync_touched(&d2, &touched, &mut maps).unwrap().affinity_purged, 1);
+        assert!(maps.affinity.is_empty());
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn a_failed_purge_keeps_freed_ids_out_of_use_until_one_succeeds() {
+        let mut maps = Recorder::default();
+        let mut r = Reconciler::adopt(Contents::default());
+        let step = |a: &[&str], b: &[&str]| sticky(desired(&[("a", "10.96.0.1", a), ("b", "10.96.0.2", b)]));
+        r.sync(&step(&["10.0.0.1"], &[]), &mut maps).unwrap();
+        connect(&mut maps.maps, "10.96.0.1", "10.244.0.2");
+        let old = backend_id(&maps.maps, "10.0.0.1");
+
+        // The removal is written, its purge fails: the sync fails.
+        maps.fail_purges = 1;
+        assert!(r.sync(&step(&["10.0.0.2"], &[]), &mut maps).is_err());
+        assert!(!maps.maps.backends.contains_key(&old));
+        assert_eq!(maps.maps.affinity.len(), 1, "the stale entry is still there");
+
+        // The next sync purges first, and fails before writing if it cannot.
+        maps.fail_purges = 1;
+        maps.log.clear();
+        assert!(r.sync(&step(&["10.0.0.2"], &["10.0.0.3"]), &mut maps).is_err());
+        assert_eq!(maps.log, ["purge failed"], "nothing written while the purge is due");
+
+        maps.log.clear();
+        r.sync(&step(&["10.0.0.2"], &["10.0.0.3"]), &mut maps).unwrap();
+        assert_eq!(maps.log[0], "purge settle=true");
+        assert!(maps.maps.affinity.is_empty());
+        assert_eq!(backend_id(&maps.maps, "10.0.0.3"), old, "reused once the purge went through");
+        assert_eq!(connect(&mut maps.maps, "10.96.0.1", "10.244.0.2"), "10.0.0.2");
+    }
+
+    /// An agent stopped between a removal and its purge (or an older build)
+    /// leaves entries naming IDs the maps no longer hold: the restarted
+    /// agent purges them before it hands out any ID.
+    #[test]
+    fn adopted_maps_are_purged_before_any_id_is_handed_out() {
+        let mut maps = Contents::default();
+        let mut r = Reconciler::adopt(Contents::default());
+        r.sync(&sticky(desired(&[("a", "10.96.0.1", &["10.0.0.1"]), ("b", "10.96.0.2", &["10.0.0.2"])])), &mut maps).unwrap();
+        assert_eq!(connect(&mut maps, "10.96.0.1", "10.244.0.2"), "10.0.0.1");
+        assert_eq!(connect(&mut maps, "10.96.0.2", "10.244.0.2"), "10.0.0.2");
+        // The previous agent removed b, without purging.
+        let b = maps.frontends[&frontend("10.96.0.2")];
+        let b_backend = backend_id(&maps, "10.0.0.2");
+        maps.del_frontend(&frontend("10.96.0.2")).unwrap();
+        maps.del_slot(&SlotKey { service_id: b.service_id, slot: 0 }).unwrap();
+        maps.del_name(b.service_id).unwrap();
+        maps.del_backend(b_backend).unwrap();
+
+        // Adopted as `Maps::read_contents` reads them (no affinity entries).
+        let mut restarted = Reconciler::adopt(Contents { affinity: HashMap::new(), ..maps.clone() });
+        let mut rec = Recorder { maps, ..Default::default() };
+        let d = sticky(desired(&[("a", "10.96.0.1", &["10.0.0.1"]), ("e", "10.96.0.5", &["10.0.0.9"])]));
+        let stats = restarted.sync(&d, &mut rec).unwrap();
+        assert_eq!(rec.log[0], "purge settle=true", "{:?}", rec.log);
+        assert_eq!(stats.affinity_purged, 1);
+        let e = rec.maps.frontends[&frontend("10.96.0.5")];
+        assert_eq!((e.service_id, backend_id(&rec.maps, "10.0.0.9")), (b.service_id, b_backend), "b's IDs, reused");
+        assert_eq!(connect(&mut rec.maps, "10.96.0.5", "10.244.0.2"), "10.0.0.9");
+        assert_eq!(connect(&mut rec.maps, "10.96.0.1", "10.244.0.2"), "10.0.0.1", "a's client kept its backend");
+        assert_eq!(rec.maps.affinity.len(), 2);
+    }
+
+    #[test]
+    fn purges_wait_for_running_programs_only_after_affinity_was_served() {
+        let mut maps = Recorder::default();
+        let mut r = Reconciler::adopt(Contents::default());
+        let mut purges = |d: DesiredState| {
+            maps.log.clear();
+            r.sync(&d, &mut maps).unwrap();
+            maps.log.iter().filter(|l| l.starts_with("purge")).cloned().collect::<Vec<_>>()
+        };
+        // Adopted maps: purged first, waiting (a previous agent may have served affinity).
+        assert_eq!(purges(desired(&[("a", "10.96.0.1", &["10.0.0.1"])])), ["purge settle=true"]);
+        assert_eq!(purges(desired(&[("a", "10.96.0.1", &["10.0.0.1"])])), Vec::<String>::new(), "nothing removed");
+        assert_eq!(purges(desired(&[("a", "10.96.0.1", &["10.0.0.2"])])), ["purge settle=false"], "no affinity anywhere");
+        assert_eq!(purges(sticky(desired(&[("a", "10.96.0.1", &["10.0.0.3"])]))), ["purge settle=true"]);
+        assert_eq!(purges(desired(&[("a", "10.96.0.1", &["10.0.0.4"])])), ["purge settle=true"], "served until now");
+        assert_eq!(purges(desired(&[("a", "10.96.0.1", &["10.0.0.5"])])), ["purge settle=false"]);
     }
 }
