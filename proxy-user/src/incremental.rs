@@ -525,6 +525,16 @@ mod tests {
         })
     }
 
+    /// A small deterministic generator: `next(n)` is in 0..n.
+    fn xorshift(mut rng: u64) -> impl FnMut(usize) -> usize {
+        move |n: usize| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % n as u64) as usize
+        }
+    }
+
     /// Random changes (add, change, remove Services and slices, node
     /// addresses, ServiceCIDRs) applied one by one: after each, the
     /// incremental state equals a full build, everything that differs from
@@ -532,13 +542,7 @@ mod tests {
     /// the touched keys hold exactly what a full sync writes (IDs included).
     #[test]
     fn random_changes_match_a_full_build() {
-        let mut rng: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut next = move |n: usize| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng % n as u64) as usize
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
         const N: usize = 12;
         // Slot N + i: a second definition of Service i, or a slice of i without its label.
         let mut services: Vec<Option<Arc<Service>>> = vec![None; 2 * N];
@@ -977,13 +981,7 @@ mod tests {
     /// and each Service is either served as a full build has it or refused.
     #[test]
     fn random_changes_in_small_maps_never_overflow_them() {
-        let mut rng: u64 = 0x2545_f491_4f6c_dd1d;
-        let mut next = move |n: usize| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng % n as u64) as usize
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         const N: usize = 12;
         let capacity = vec![(ServiceMap::Frontends, 40), (ServiceMap::Backends, 4), (ServiceMap::SourceRanges, 3), (ServiceMap::Slots, 12)];
         let mut services: Vec<Option<Arc<Service>>> = vec![None; N];
