@@ -104,7 +104,7 @@ mod program {
 
     #[inline(always)]
     fn ingress<const TRACE: bool, const V6: bool>(ctx: &TcContext) -> i32 {
-        let parsed = if V6 { parse6::parse(ctx) } else { parse::parse(ctx) };
+        let parsed = parse_family::<V6>(ctx);
         let pkt = match parsed {
             Ok(pkt) => pkt,
             Err(reason) => {
@@ -227,6 +227,12 @@ mod program {
         verdict::<TRACE>(nat::rewrite_dst(ctx, pkt, &backend.addr, backend.port), Counter::NewFlow)
     }
 
+    /// The packet, by the parser of the family the program was built for.
+    #[inline(always)]
+    fn parse_family<const V6: bool>(ctx: &TcContext) -> Result<parse::Packet, Counter> {
+        if V6 { parse6::parse(ctx) } else { parse::parse(ctx) }
+    }
+
     /// Counts, or in a trace notes the counter in the result.
     #[inline(always)]
     fn note<const TRACE: bool>(counter: Counter) {
@@ -295,7 +301,7 @@ mod program {
             count(Counter::SnatFailed);
             return NOT_OURS;
         }
-        let parsed = if V6 { parse6::parse(ctx) } else { parse::parse(ctx) };
+        let parsed = parse_family::<V6>(ctx);
         let Ok(pkt) = parsed else { return NOT_OURS };
         let source = if mark & MASQUERADE_MARK != 0 {
             masquerade::source_for(ctx, &pkt)
@@ -334,7 +340,7 @@ mod program {
 
     #[inline(always)]
     fn node_reply<const V6: bool>(ctx: &TcContext) -> i32 {
-        let parsed = if V6 { parse6::parse(ctx) } else { parse::parse(ctx) };
+        let parsed = parse_family::<V6>(ctx);
         let Ok(pkt) = parsed else { return NOT_OURS };
         let Some(ct) = conntrack::lookup(&pkt.tuple).filter(|ct| ct.direction == CT_REPLY && ct.flags & CT_NODE != 0) else {
             return NOT_OURS;
@@ -412,7 +418,7 @@ mod program {
     /// as a martian (kube-proxy sets route_localnet for that; we don't).
     #[inline(always)]
     fn node_to_service<const V6: bool>(ctx: &TcContext) -> Option<i32> {
-        let parsed = if V6 { parse6::parse(ctx) } else { parse::parse(ctx) };
+        let parsed = parse_family::<V6>(ctx);
         let pkt = parsed.ok()?;
         if is_loopback::<V6>(&pkt.tuple.src) {
             return None;
@@ -457,7 +463,7 @@ mod program {
 
     #[inline(always)]
     fn node_flow<const V6: bool>(ctx: &TcContext) -> i32 {
-        let parsed = if V6 { parse6::parse(ctx) } else { parse::parse(ctx) };
+        let parsed = parse_family::<V6>(ctx);
         let Ok(pkt) = parsed else { return NOT_OURS };
         if pkt.proto != IPPROTO_TCP {
             return NOT_OURS;
@@ -550,7 +556,7 @@ mod program {
 
     #[inline(always)]
     fn limited_reject<const V6: bool>(ctx: &TcContext) -> i32 {
-        let parsed = if V6 { parse6::parse(ctx) } else { parse::parse(ctx) };
+        let parsed = parse_family::<V6>(ctx);
         let Ok(pkt) = parsed else {
             count(Counter::RejectFailed);
             return DROP;
