@@ -8,6 +8,12 @@ pub const MAP_FRONTENDS: &str = "FRONTENDS";
 pub const MAP_BACKEND_SLOTS: &str = "BACKEND_SLOTS";
 pub const MAP_BACKENDS: &str = "BACKENDS";
 pub const MAP_CONNTRACK: &str = "CONNTRACK";
+/// Conntrack entries of flows that have not seen a reply yet (and their
+/// masquerade choices, below): a table of their own, so a flood of new
+/// flows (spoofed SYNs) only evicts other unanswered flows, never an
+/// established one. A flow's first reply moves its entries to CONNTRACK.
+pub const MAP_CT_UNCONFIRMED: &str = "CT_UNCONFIRMED";
+pub const MAP_SNAT_UNCONFIRMED: &str = "SNAT_UNCONFIRMED";
 pub const MAP_SERVICE_NAMES: &str = "SERVICE_NAMES";
 pub const MAP_COUNTERS: &str = "COUNTERS";
 pub const MAP_SNAT: &str = "SNAT";
@@ -62,7 +68,13 @@ pub const TCP_SNAT_PORT_LOW: u16 = 1024;
 pub const MAX_FRONTENDS: u32 = 1_048_576;
 pub const MAX_BACKEND_SLOTS: u32 = 1_048_576;
 pub const MAX_BACKENDS: u32 = 1_048_576;
+/// The conntrack size this build's object declares: kube-proxy's
+/// `--conntrack-min` default. The agent sizes the conntrack maps at load
+/// (`--conntrack-max-per-core`, `--conntrack-min`); see `ConntrackSize`.
 pub const MAX_CONNTRACK: u32 = 131_072;
+/// The unconfirmed tables hold this fraction of the conntrack size.
+pub const UNCONFIRMED_SHARE: u32 = 4;
+pub const MAX_CT_UNCONFIRMED: u32 = MAX_CONNTRACK / UNCONFIRMED_SHARE;
 pub const MAX_SERVICE_NAMES: u32 = 524_288;
 pub const MAX_SNAT: u32 = MAX_CONNTRACK;
 pub const MAX_SNAT_ADDRS: u32 = 1024;
@@ -209,6 +221,20 @@ pub const CT_NODE: u8 = 1 << 2;
 /// drops a packet from one of its own addresses arriving on any other
 /// interface (a martian source).
 pub const CT_LOOPBACK: u8 = 1 << 3;
+/// Pending confirmation: the entry lives in CT_UNCONFIRMED.
+/// Such an entry counts as gone once idle for `CT_UNCONFIRMED_TIMEOUT_NS`,
+/// which also frees its masquerade port.
+pub const CT_PENDING: u8 = 1 << 4;
+/// The flow is confirmed by its first reply: UDP and SCTP flows, and the
+/// node's own (whose opening no outside spoofer can send). Other TCP flows
+/// are confirmed by the client's ACK of the backend's SYN-ACK, as netfilter
+/// marks a connection ASSURED only once its handshake completed: a backend
+/// answering a flood of spoofed SYNs does not confirm them.
+pub const CT_CONFIRM_ON_REPLY: u8 = 1 << 5;
+/// As netfilter's UDP timeout for a flow without replies (30 s); a TCP
+/// client's SYN retransmissions (1, 2, 4, ... s apart) keep theirs alive
+/// until the 32 s gap, after which a SYN starts the flow afresh.
+pub const CT_UNCONFIRMED_TIMEOUT_NS: u64 = 30_000_000_000;
 /// Loopback's interface index, the same in every network namespace.
 pub const LOOPBACK_IFINDEX: u32 = 1;
 pub const CT_CLOSING_TIMEOUT_NS: u64 = 10_000_000_000;
@@ -241,7 +267,11 @@ pub struct CtEntry {
     /// seen to name `nat_addr:nat_port`. While the epoch is unchanged no
     /// backend was removed since, so a packet need not look the backend up.
     pub backends_epoch: u32,
-    pub _pad2: u32,
+    /// ORIGINAL of an unconfirmed TCP flow: the acknowledgement number
+    /// (network order) that completes its handshake, the backend's SYN-ACK
+    /// sequence number + 1; 0 before the SYN-ACK. A client that sends it
+    /// has seen the SYN-ACK: no blind spoofer can confirm a flow.
+    pub handshake_ack: u32,
     /// bpf_ktime_get_ns() at creation and at the last packet.
     pub created_ns: u64,
     pub last_seen_ns: u64,
@@ -422,6 +452,19 @@ pub enum Counter {
     /// A REJECT over its source's budget (`reject_limit`): dropped
     /// unanswered, as the kernel's ICMP rate limit drops its errors.
     RejectLimited = 24,
+    /// A TCP segment other than a SYN (an SCTP packet other than an INIT)
+    /// to a frontend, with no conntrack entry: dropped, as netfilter drops
+    /// INVALID packets, instead of giving a stray segment a backend. Its
+    /// flow never existed, or its entry was evicted.
+    CtOutOfState = 25,
+    /// Not a packet verdict: conntrack entries a flow's first reply moved
+    /// from CT_PENDING to CONNTRACK.
+    CtPromoted = 26,
+    /// Not a packet verdict: entries the datapath removed from CONNTRACK
+    /// (a closed flow's, when a new flow takes its tuple). With
+    /// `CtPromoted` and CONNTRACK's entry count the agent derives the
+    /// evictions: promoted - released - entries.
+    CtReleased = 27,
 }
 
 /// Slots of the IPv6 program array: which IPv6 program each IPv4 program
@@ -463,12 +506,13 @@ pub const REJECT_PROG_V4: u32 = 0;
 pub const REJECT_PROG_V6: u32 = 1;
 pub const REJECT_PROG_COUNT: u32 = 2;
 
-pub const COUNTER_NAMES: [&str; 25] = [
+pub const COUNTER_NAMES: [&str; 28] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",
     "fragment", "rebalanced", "rewrite_failed", "rejected", "drop_unallocated",
     "drop_source_range", "drop_no_local", "masqueraded", "snat_failed", "affinity_hit",
     "reject_failed", "extension_header", "snat_port_shared", "node_snat",
     "reject_suppressed", "node_egress", "node_route_failed", "reject_limited",
+    "ct_out_of_state", "ct_promoted", "ct_released",
 ];
 /// Slots of the pinned `COUNTERS` array: room to add counters without
 /// changing the map's layout (which an upgrade could not reuse). At most 32:

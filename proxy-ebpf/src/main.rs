@@ -44,7 +44,7 @@ mod program {
     };
     use aya_ebpf::{bindings::BPF_F_INGRESS, helpers::bpf_redirect};
     use proxy_common::{
-        CT_LOOPBACK, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_REPLY, Counter, IPPROTO_TCP, IPV6_PROG_EGRESS,
+        CT_CONFIRM_ON_REPLY, CT_LOOPBACK, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_PENDING, CT_REPLY, Counter, IPPROTO_TCP, IPV6_PROG_EGRESS,
         IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, LOOPBACK_IFINDEX, MASQUERADE_MARK, NODE_PROG_EGRESS,
         NODE_PROG_FLOW, NODE_PROG_INGRESS_REPLY, NODE6_PROG_EGRESS, NODE6_PROG_FLOW, NODE6_PROG_INGRESS_REPLY,
         REJECT_PROG_V4, REJECT_PROG_V6, REVERSE_NAT_MARK, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
@@ -52,7 +52,7 @@ mod program {
     };
 
     use crate::{
-        conntrack,
+        conntrack::{self, Confirming},
         lb::{self, Miss},
         maps::{IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, REJECT_BUDGETS, REJECT_PROGRAMS, count},
         masquerade, nat, nat6, parse, parse6, reject, reject6, route, skb, sock, trace,
@@ -114,11 +114,24 @@ mod program {
         };
 
         // A known flow: one lookup finds its translation in either direction.
-        if let Some(ct) = conntrack::lookup_flow(&pkt) {
+        if let Some(mut ct) = conntrack::lookup_flow(&pkt) {
             trace::record::<TRACE>(ct.service_id, ct.backend_id, trace::FROM_CONNTRACK);
             let direction = ct.direction;
             match direction {
                 CT_REPLY => {
+                    if !TRACE && ct.flags & CT_PENDING != 0 {
+                        if let Some(flow) = Confirming::of_reply(&pkt.tuple, ct) {
+                            if ct.flags & CT_CONFIRM_ON_REPLY != 0 {
+                                flow.confirm();
+                                let Some(moved) = conntrack::lookup_mut(&pkt.tuple) else { return NOT_OURS };
+                                ct = moved;
+                            } else if pkt.answers_opening() {
+                                if let Ok(seq) = ctx.load::<u32>(pkt.l4_off + parse::TCP_SEQ_OFF) {
+                                    flow.expect_handshake_ack(seq);
+                                }
+                            }
+                        }
+                    }
                     if !TRACE {
                         conntrack::touch(ct, pkt.closes_connection());
                     }
@@ -142,6 +155,14 @@ mod program {
                     return verdict::<TRACE>(done, Counter::Reply);
                 }
                 CT_ORIGINAL if lb::backend_still_matches(ct, !TRACE) => {
+                    let acked = || ctx.load::<u32>(pkt.l4_off + parse::TCP_ACK_OFF).ok();
+                    if !TRACE && ct.flags & CT_PENDING != 0 && conntrack::completes_handshake(ct, &pkt, acked) {
+                        if let Some(flow) = Confirming::of_original(&pkt.tuple, ct) {
+                            flow.confirm();
+                            let Some(moved) = conntrack::lookup_mut(&pkt.tuple) else { return NOT_OURS };
+                            ct = moved;
+                        }
+                    }
                     if !TRACE {
                         conntrack::touch(ct, pkt.closes_connection());
                     }
@@ -152,11 +173,14 @@ mod program {
                 }
                 // The backend is gone: choose again below, so the flow moves to a
                 // live backend instead of black-holing.
-                _ => note::<TRACE>(Counter::Rebalanced),
+                _ => {
+                    note::<TRACE>(Counter::Rebalanced);
+                    return new_flow::<TRACE, V6, false>(ctx, &pkt, true);
+                }
             }
         }
 
-        new_flow::<TRACE, V6, false>(ctx, &pkt)
+        new_flow::<TRACE, V6, false>(ctx, &pkt, false)
     }
 
     /// The first packet of a flow, or one whose backend went away: the
@@ -166,7 +190,12 @@ mod program {
     /// masqueraded, as its OUTPUT chain marks node traffic; a REJECT goes
     /// back into the node's own stack).
     #[inline(always)]
-    fn new_flow<const TRACE: bool, const V6: bool, const NODE: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
+    /// `known`: the flow has an entry, whose backend went away.
+    fn new_flow<const TRACE: bool, const V6: bool, const NODE: bool>(
+        ctx: &TcContext,
+        pkt: &parse::Packet,
+        known: bool,
+    ) -> i32 {
         let scope = if NODE { SCOPE_INTERNAL } else { lb::scope_of(&pkt.tuple.src) };
         let service = match lb::lookup_frontend(&pkt.tuple, scope) {
             Ok(service) => service,
@@ -187,6 +216,14 @@ mod program {
         trace::record::<TRACE>(service.service_id, 0, scope as u32);
         if service.flags & SVC_SOURCE_RANGES != 0 && !lb::source_allowed(&service, &pkt.tuple.src) {
             note::<TRACE>(Counter::DropSourceRange);
+            return DROP;
+        }
+        // Only a connection's opening (or any UDP datagram) starts a flow:
+        // a stray segment never gets a backend, nor evicts anything. (To a
+        // Service without endpoints it is rejected below, as netfilter's
+        // REJECT rule sees it too.)
+        if !known && !pkt.may_open_flow() && service.backend_count != 0 {
+            note::<TRACE>(Counter::CtOutOfState);
             return DROP;
         }
         let epoch = lb::backends_epoch();
@@ -423,6 +460,7 @@ mod program {
         if is_loopback::<V6>(&pkt.tuple.src) {
             return None;
         }
+        let mut known = false;
         if let Some(ct) = conntrack::lookup_flow(&pkt) {
             // Another flow's entry (a forwarded client's reply tuple): not ours.
             if ct.flags & CT_NODE == 0 || ct.direction != CT_ORIGINAL {
@@ -434,9 +472,10 @@ mod program {
                 let done = nat::rewrite_dst(ctx, &pkt, &ct.nat_addr, ct.nat_port);
                 return Some(forward::<V6>(ctx, &pkt, verdict::<false>(done, Counter::Established)));
             }
+            known = true;
         }
         // New, or its backend went away.
-        match new_flow::<false, V6, true>(ctx, &pkt) {
+        match new_flow::<false, V6, true>(ctx, &pkt, known) {
             NOT_OURS => None,
             verdict => Some(forward::<V6>(ctx, &pkt, verdict)),
         }

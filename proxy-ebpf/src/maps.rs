@@ -32,12 +32,25 @@ pub static NODE_SNAT: Array<u32> = Array::pinned(1, 0);
 #[map]
 pub static HOST_NETNS: Array<u64> = Array::pinned(2, 0);
 
+/// Flows that have seen a reply (see `conntrack`). The agent sizes the four
+/// conntrack maps at load.
 #[map]
 pub static CONNTRACK: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(MAX_CONNTRACK, 0);
 
+/// Flows that have not, yet: a flood of them evicts only its own kind.
+#[map]
+pub static CT_UNCONFIRMED: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(MAX_CT_UNCONFIRMED, 0);
+
+/// `conntrack::Confirming`'s room, per CPU.
+#[map]
+pub static CONFIRMING: PerCpuArray<crate::conntrack::Confirming> = PerCpuArray::with_max_entries(1, 0);
+
 /// Masqueraded flows: their tuple after DNAT -> the source they leave with.
+/// Confirmed flows' here, the others' in SNAT_UNCONFIRMED.
 #[map]
 pub static SNAT: LruHashMap<CtKey, SnatEntry> = LruHashMap::pinned(MAX_SNAT, 0);
+#[map]
+pub static SNAT_UNCONFIRMED: LruHashMap<CtKey, SnatEntry> = LruHashMap::pinned(MAX_CT_UNCONFIRMED, 0);
 
 /// The address a masqueraded flow takes on leaving an interface (by ifindex);
 /// ifindex 0 holds the node's primary address, for interfaces without one

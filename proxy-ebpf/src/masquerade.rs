@@ -12,13 +12,13 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    Addr, CT_CLOSING, CT_REPLY, Counter, CtEntry, CtKey, DEFAULT_EPHEMERAL_PORTS, DEFAULT_SNAT_PORTS, IPPROTO_TCP,
+    Addr, CT_CLOSING, CT_CONFIRM_ON_REPLY, CT_REPLY, Counter, CtEntry, CtKey, DEFAULT_EPHEMERAL_PORTS, DEFAULT_SNAT_PORTS, IPPROTO_TCP,
     SNAT_ADDR_IPV6, SnatEntry, TCP_SNAT_PORT_LOW,
 };
 
 use crate::{
     conntrack::{self, SnatTuple},
-    maps::{NODE_SNAT, SNAT, SNAT_ADDRS, count},
+    maps::{NODE_SNAT, SNAT_ADDRS, count},
     parse::Packet,
 };
 
@@ -50,7 +50,7 @@ static EPHEMERAL_PORT_MAX: Global<u32> = Global::new(DEFAULT_EPHEMERAL_PORTS.1 a
 #[inline(always)]
 pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
     let t = &pkt.tuple;
-    if let Some(e) = unsafe { SNAT.get(t) } {
+    if let Some(e) = conntrack::snat_choice(t) {
         if pkt.closes_connection() {
             conntrack::close_snat_reply(&snat_key(t, &e.addr, e.port));
         }
@@ -58,7 +58,8 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
     }
     // The flow's plain reply entry, written at ingress, names the frontend.
     let plain_key = conntrack::reply_key(t, &t.dst, t.dport);
-    let plain = *conntrack::lookup(&plain_key).filter(|e| e.direction == CT_REPLY)?;
+    // A reference, not a copy: the egress programs have little stack left.
+    let plain = conntrack::lookup(&plain_key).filter(|e| e.direction == CT_REPLY)?;
     // Each family's addresses under their own keys (constant per program).
     let family = if pkt.v6 { SNAT_ADDR_IPV6 } else { 0 };
     let ifindex = crate::skb::ifindex(ctx) | family;
@@ -83,7 +84,7 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
             port = ports.draw();
         }
         let key = snat_key(t, &addr, port);
-        let usable = match conntrack::snat_tuple(&key, &plain, &t.src, t.sport) {
+        let usable = match conntrack::snat_tuple(&key, plain, &t.src, t.sport) {
             SnatTuple::Free => true,
             SnatTuple::Reserved => last_resort,
             SnatTuple::Held => false,
@@ -91,7 +92,7 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
         if !usable || (tcp && socket_holds(ctx, &key, pkt.v6)) {
             continue;
         }
-        if conntrack::claim_snat_reply(&key, &plain, &t.src, t.sport).is_err() {
+        if conntrack::claim_snat_reply(&key, plain, &t.src, t.sport).is_err() {
             break;
         }
         if last_resort {
@@ -101,7 +102,7 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
             arm_node_flows();
         }
         let entry = SnatEntry { addr, port, _pad: [0; 6] };
-        if SNAT.insert(t, &entry, 0).is_err() {
+        if conntrack::record_snat_choice(t, &entry).is_err() {
             count(Counter::SnatFailed);
         }
         return Some((addr, port));
@@ -194,8 +195,15 @@ fn arm_node_flows() {
 pub fn node_source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
     let t = &pkt.tuple;
     // The replies as the socket expects them: from the backend itself.
-    let own = CtEntry { nat_addr: t.dst, nat_port: t.dport, direction: CT_REPLY, ..Default::default() };
-    let ours = unsafe { SNAT.get(t) }.filter(|e| e.addr == t.src).copied();
+    // A node socket's connection: its first reply confirms it.
+    let own = CtEntry {
+        nat_addr: t.dst,
+        nat_port: t.dport,
+        direction: CT_REPLY,
+        flags: CT_CONFIRM_ON_REPLY,
+        ..Default::default()
+    };
+    let ours = conntrack::snat_choice(t).filter(|e| e.addr == t.src).copied();
     if let Some(e) = ours {
         let key = snat_key(t, &e.addr, e.port);
         // A SYN on a tuple whose earlier connection closed is a new
@@ -214,9 +222,13 @@ pub fn node_source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
     if !conntrack::masquerade_holds(&snat_key(t, &t.src, t.sport), &own, &t.src, t.sport) {
         if ours.is_some() {
             // A SNAT choice left by an earlier connection on this tuple.
-            let _ = SNAT.remove(t);
+            conntrack::forget_snat_choice(t);
         }
         return None;
+    }
+    if ours.is_some() {
+        // The earlier connection's choice, confirmed: this one draws afresh.
+        conntrack::forget_snat_choice(t);
     }
     let ports = Ports::tcp()?;
     for _ in 0..PORT_TRIES {
@@ -227,7 +239,7 @@ pub fn node_source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
         }
         conntrack::claim_snat_reply(&key, &own, &t.src, t.sport).ok()?;
         let entry = SnatEntry { addr: t.src, port, _pad: [0; 6] };
-        if SNAT.insert(t, &entry, 0).is_err() {
+        if conntrack::record_snat_choice(t, &entry).is_err() {
             count(Counter::SnatFailed);
         }
         count(Counter::NodeSnat);

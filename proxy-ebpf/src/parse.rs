@@ -27,11 +27,16 @@ pub struct Packet {
     /// covers everything from `l4_off` to here.
     pub l4_end: usize,
     pub proto: u8,
-    /// TCP flags (0 for other protocols).
+    /// TCP flags; for SCTP, TCP_SYN when the first chunk is an INIT (see
+    /// `sctp::opening_flags`); 0 for UDP.
     pub tcp_flags: u8,
     /// An IPv6 packet: the addresses are 16 bytes at `parse6`'s offsets.
     pub v6: bool,
 }
+
+/// Offsets in the TCP header of the sequence and acknowledgement numbers.
+pub const TCP_SEQ_OFF: usize = 4;
+pub const TCP_ACK_OFF: usize = 8;
 
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;
@@ -43,6 +48,26 @@ impl Packet {
     #[inline(always)]
     pub fn opens_connection(&self) -> bool {
         self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+
+    /// A packet that may start a flow: a TCP SYN, an SCTP INIT, any UDP
+    /// datagram (netfilter's NEW, without picking up TCP mid-stream).
+    #[inline(always)]
+    pub fn may_open_flow(&self) -> bool {
+        self.proto == IPPROTO_UDP || self.opens_connection()
+    }
+
+    /// A TCP segment with ACK and neither SYN nor RST: a handshake's last
+    /// step, or any later segment.
+    #[inline(always)]
+    pub fn acks_only(&self) -> bool {
+        self.proto == IPPROTO_TCP && self.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_ACK
+    }
+
+    /// A TCP SYN-ACK: a server answering a connection's opening.
+    #[inline(always)]
+    pub fn answers_opening(&self) -> bool {
+        self.proto == IPPROTO_TCP && self.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN | TCP_ACK
     }
 
     /// A TCP FIN or RST: this direction of the connection is ending.
@@ -107,7 +132,11 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
     let dst: [u8; 4] = read(ctx, l3_off + 16).ok_or(Counter::Malformed)?;
     let sport: u16 = read(ctx, l4_off).ok_or(Counter::Malformed)?;
     let dport: u16 = read(ctx, l4_off + 2).ok_or(Counter::Malformed)?;
-    let tcp_flags: u8 = if proto == IPPROTO_TCP { read(ctx, l4_off + 13).ok_or(Counter::Malformed)? } else { 0 };
+    let tcp_flags: u8 = match proto {
+        IPPROTO_TCP => read(ctx, l4_off + 13).ok_or(Counter::Malformed)?,
+        IPPROTO_SCTP => crate::sctp::opening_flags(read(ctx, l4_off + crate::sctp::COMMON_HEADER_LEN)),
+        _ => 0,
+    };
     Ok(Packet {
         tuple: v4_tuple(src, dst, sport, dport, proto),
         l3_off,

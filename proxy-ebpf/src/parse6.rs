@@ -78,7 +78,11 @@ fn parse_with<const IN_PLACE: bool>(ctx: &TcContext) -> Result<Packet, Counter> 
     }
     let sport: u16 = ctx.load(l4_off).map_err(|_| Counter::Malformed)?;
     let dport: u16 = ctx.load(l4_off + 2).map_err(|_| Counter::Malformed)?;
-    let tcp_flags: u8 = if proto == IPPROTO_TCP { ctx.load(l4_off + 13).map_err(|_| Counter::Malformed)? } else { 0 };
+    let tcp_flags: u8 = match proto {
+        IPPROTO_TCP => ctx.load(l4_off + 13).map_err(|_| Counter::Malformed)?,
+        IPPROTO_SCTP => crate::sctp::opening_flags(ctx.load(l4_off + crate::sctp::COMMON_HEADER_LEN).ok()),
+        _ => 0,
+    };
     let mut pkt = Packet {
         tuple: CtKey { src: Addr::default(), dst: Addr::default(), sport, dport, proto, _pad: [0; 3] },
         l3_off,

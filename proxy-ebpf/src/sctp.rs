@@ -22,6 +22,17 @@ use crate::{parse::Packet, skb::checksum_is_partial};
 /// Source port, destination port, verification tag, checksum.
 pub const COMMON_HEADER_LEN: usize = 12;
 pub const CHECKSUM_OFF: usize = 8;
+/// The chunk that opens an association (RFC 9260 3.3.2): the only one
+/// that may start a flow.
+const CHUNK_INIT: u8 = 1;
+
+/// The opening of an association as TCP flags, given the packet's first
+/// chunk type: TCP_SYN for an INIT, so `Packet::opens_connection` reads the
+/// same for both protocols.
+#[inline(always)]
+pub fn opening_flags(first_chunk: Option<u8>) -> u8 {
+    if first_chunk == Some(CHUNK_INIT) { crate::parse::TCP_SYN } else { 0 }
+}
 
 /// Writes `new_port` at `port_field` (0: source, 2: destination) of the
 /// SCTP header and updates the CRC32c by the change, unless the kernel will

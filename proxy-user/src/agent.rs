@@ -17,6 +17,7 @@ use crate::{
     attach::{self, Attacher},
     cgroup,
     cli::RunArgs,
+    conntrack_size::{self, ConntrackSize},
     health::{self, Health},
     healthcheck::{self, HealthCheckServers},
     maps::{self, Maps},
@@ -51,13 +52,16 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let features = kernel::probe()?;
     let snat_ports = snat_ports::for_this_node()?;
-    let (mut ebpf, mut maps) = maps::load_with_snat_ports(&args.bpffs_root, &snat_ports, &features)?;
+    let conntrack_size =
+        ConntrackSize::from_flags(args.conntrack_max_per_core, args.conntrack_min, conntrack_size::cpus())?;
+    let (mut ebpf, mut maps) = maps::load_with(&args.bpffs_root, &snat_ports, &conntrack_size, &features)?;
     let held = maps.read_contents().context("read pinned maps")?;
     info!(
         bpffs_root = %args.bpffs_root.display(),
         frontends = held.frontends.len(),
         backends = held.backends.len(),
         masquerade_ports = ?snat_ports,
+        conntrack = ?conntrack_size,
         "dataplane loaded (pinned maps adopted)"
     );
     let mut reconciler = Reconciler::adopt(held);

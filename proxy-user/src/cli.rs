@@ -124,4 +124,12 @@ pub struct RunArgs {
     /// 6.6+, and backports) and falls back to clsact filters over netlink.
     #[arg(long, value_enum, default_value = "auto", env = "EBPF_PROXY_TC_ATTACH")]
     pub tc_attach: TcAttachMode,
+    /// Conntrack entries per CPU, as kube-proxy's flag; the table holds this
+    /// times the CPUs, at least --conntrack-min (0: --conntrack-min alone).
+    /// Fixed when the maps are first pinned: see docs/operations.md.
+    #[arg(long, default_value_t = crate::conntrack_size::DEFAULT_MAX_PER_CORE, value_name = "N")]
+    pub conntrack_max_per_core: u32,
+    /// The least conntrack entries, whatever the CPUs.
+    #[arg(long, default_value_t = crate::conntrack_size::DEFAULT_MIN, value_name = "N")]
+    pub conntrack_min: u32,
 }

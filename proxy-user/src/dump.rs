@@ -56,6 +56,9 @@ pub struct BackendRow {
 #[derive(Debug, Serialize)]
 pub struct ConntrackRow {
     pub direction: &'static str,
+    /// `confirmed` once the flow saw a reply; `unconfirmed` entries lapse
+    /// after 30 s idle and give up their masquerade port.
+    pub state: &'static str,
     pub protocol: &'static str,
     pub source: String,
     pub destination: String,
@@ -184,10 +187,12 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
     let now_ns = now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64;
     let secs = |t: u64| now_ns.saturating_sub(t) as f64 / 1e9;
     let mut rows = Vec::new();
-    for kv in maps.conntrack.iter() {
+    let tables = [("confirmed", &maps.conntrack), ("unconfirmed", &maps.ct_unconfirmed)];
+    for (state, kv) in tables.into_iter().flat_map(|(state, map)| map.iter().map(move |kv| (state, kv))) {
         let (k, v) = kv?;
         rows.push(ConntrackRow {
             direction: if v.direction == CT_REPLY { "reply" } else { "original" },
+            state,
             protocol: protocol_name(k.proto),
             source: endpoint(k.src, k.sport),
             destination: endpoint(k.dst, k.dport),
@@ -206,6 +211,21 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
     };
     rows.sort_by_cached_key(key);
     Ok(rows)
+}
+
+/// Masquerade's ports: how many flows hold one, and how often masquerade
+/// ran out (`snat_port_shared`: a TCP tuple still reserved for a closed
+/// flow, or a UDP/SCTP port inside the ephemeral range, was shared;
+/// `snat_failed`: a packet left un-masqueraded).
+pub fn masquerade_summary(rows: &[ConntrackRow], counters: &[u64]) -> String {
+    let held = |state: &str| rows.iter().filter(|r| r.client.is_some() && r.state == state).count();
+    format!(
+        "masquerade ports held: {} by confirmed flows, {} by unconfirmed ones; out of ports: {} shared, {} failed",
+        held("confirmed"),
+        held("unconfirmed"),
+        counters[proxy_common::Counter::SnatPortShared as usize],
+        counters[proxy_common::Counter::SnatFailed as usize],
+    )
 }
 
 fn table(header: &[&str], rows: impl IntoIterator<Item = Vec<String>>) -> String {
@@ -251,9 +271,12 @@ pub fn print(what: crate::cli::DumpWhat, output: Output, root: &Path) -> Result<
                 vec![r.id.to_string(), r.address, r.protocol.into(), r.state.join(","), r.services.join("\n")]
             }),
         ),
-        (DumpWhat::Conntrack, Output::Table) => table(
-            &["SERVICE", "DIR", "PROTO", "SOURCE", "DESTINATION", "TRANSLATED TO", "MASQ", "AGE", "IDLE"],
-            conntrack(&maps)?.into_iter().map(|r| {
+        (DumpWhat::Conntrack, Output::Table) => {
+            let rows = conntrack(&maps)?;
+            let summary = masquerade_summary(&rows, &maps.read_counters()?);
+            let t = table(
+            &["SERVICE", "DIR", "STATE", "PROTO", "SOURCE", "DESTINATION", "TRANSLATED TO", "MASQ", "AGE", "IDLE"],
+            rows.into_iter().map(|r| {
                 let translated = match &r.client {
                     Some(client) => format!("{}\nto client {client}", r.translated_to),
                     None => r.translated_to,
@@ -261,6 +284,7 @@ pub fn print(what: crate::cli::DumpWhat, output: Output, root: &Path) -> Result<
                 vec![
                     r.service,
                     r.direction.into(),
+                    r.state.into(),
                     r.protocol.into(),
                     r.source,
                     r.destination,
@@ -270,7 +294,9 @@ pub fn print(what: crate::cli::DumpWhat, output: Output, root: &Path) -> Result<
                     format!("{:.1}s", r.idle_seconds),
                 ]
             }),
-        ),
+            );
+            format!("{t}\n{summary}")
+        }
     };
     println!("{text}");
     Ok(())

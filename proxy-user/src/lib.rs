@@ -7,6 +7,7 @@ pub mod cgroup;
 pub mod cleanup;
 pub mod cli;
 pub mod clsact;
+pub mod conntrack_size;
 pub mod dump;
 pub mod endpoint_ips;
 pub mod health;

@@ -17,6 +17,7 @@ use ipnet::IpNet;
 use proxy_common::*;
 
 use crate::{
+    conntrack_size::ConntrackSize,
     kernel::Features,
     reconciler::{Contents, MapWriter},
     snat_ports::SnatPorts,
@@ -34,11 +35,11 @@ pub const TC_TRACE: &str = "tc_trace";
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 /// Every map the agent pins, by name.
-pub const PINNED_MAPS: [&str; 20] = [
+pub const PINNED_MAPS: [&str; 22] = [
     MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS, MAP_SNAT,
     MAP_SNAT_ADDRS, MAP_CLUSTER_CIDRS, MAP_SERVICE_CIDRS, MAP_SOURCE_RANGES, MAP_AFFINITY, MAP_SOCK_REVNAT,
     MAP_BACKENDS_EPOCH, MAP_IPV6_PROGRAMS, MAP_NODE_SNAT, MAP_HOST_NETNS, MAP_NODE_PROGRAMS,
-    MAP_NODE6_PROGRAMS, MAP_REJECT_PROGRAMS,
+    MAP_NODE6_PROGRAMS, MAP_REJECT_PROGRAMS, MAP_CT_UNCONFIRMED, MAP_SNAT_UNCONFIRMED,
 ];
 
 /// The programs each TC program hands packets to by tail call, with the
@@ -92,6 +93,8 @@ pub struct Maps {
     /// check their backend again (see `del_backend`).
     pub backends_epoch: Array<MapData, u32>,
     pub conntrack: HashMap<MapData, CtKey, CtEntry>,
+    /// Flows without a reply yet (see proxy-ebpf's conntrack).
+    pub ct_unconfirmed: HashMap<MapData, CtKey, CtEntry>,
     pub names: HashMap<MapData, u32, ServiceName>,
     pub counters: PerCpuArray<MapData, u64>,
     pub snat_addrs: HashMap<MapData, u32, Addr>,
@@ -133,19 +136,24 @@ fn load_error(e: aya::EbpfError, root: &Path) -> anyhow::Error {
 /// Loads the programs; maps already pinned under `root` are reused, so a
 /// restart keeps services, backends and conntrack.
 pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
-    load_with_snat_ports(root, &SnatPorts::default(), &crate::kernel::probe()?)
+    load_with(root, &SnatPorts::default(), &ConntrackSize::default(), &crate::kernel::probe()?)
 }
 
-/// As `load`, with the source ports masquerade may use (see snat_ports) and
-/// the kernel's optional features.
-pub fn load_with_snat_ports(root: &Path, ports: &SnatPorts, features: &Features) -> Result<(Ebpf, Maps)> {
+/// As `load`, with the source ports masquerade may use (see snat_ports),
+/// the conntrack tables' size (kept as pinned where they are) and the
+/// kernel's optional features.
+pub fn load_with(root: &Path, ports: &SnatPorts, conntrack: &ConntrackSize, features: &Features) -> Result<(Ebpf, Maps)> {
     ensure_bpffs(root)?;
     let bounds = |r: &RangeInclusive<u16>| (u32::from(*r.start()), u32::from(*r.end()));
     let (min, max) = bounds(&ports.masquerade);
     let (eph_min, eph_max) = bounds(&ports.ephemeral);
     let coarse_clock = u32::from(features.coarse_clock);
     let set_retval = u32::from(features.sock_set_retval);
-    let mut ebpf = EbpfLoader::new()
+    let mut loader = EbpfLoader::new();
+    for (name, entries) in conntrack.adopt_pinned(root) {
+        loader.map_max_entries(name, entries);
+    }
+    let mut ebpf = loader
         .default_map_pin_directory(root)
         .override_global(GLOBAL_SNAT_PORT_MIN, &min, true)
         .override_global(GLOBAL_SNAT_PORT_MAX, &max, true)
@@ -162,6 +170,7 @@ pub fn load_with_snat_ports(root: &Path, ports: &SnatPorts, features: &Features)
         backends: take(MAP_BACKENDS)?.try_into()?,
         backends_epoch: take(MAP_BACKENDS_EPOCH)?.try_into()?,
         conntrack: take(MAP_CONNTRACK)?.try_into()?,
+        ct_unconfirmed: take(MAP_CT_UNCONFIRMED)?.try_into()?,
         names: take(MAP_SERVICE_NAMES)?.try_into()?,
         counters: take(MAP_COUNTERS)?.try_into()?,
         snat_addrs: take(MAP_SNAT_ADDRS)?.try_into()?,
@@ -193,6 +202,7 @@ impl Maps {
             backends: open_pin(root, MAP_BACKENDS)?.try_into()?,
             backends_epoch: open_pin(root, MAP_BACKENDS_EPOCH)?.try_into()?,
             conntrack: open_pin(root, MAP_CONNTRACK)?.try_into()?,
+            ct_unconfirmed: open_pin(root, MAP_CT_UNCONFIRMED)?.try_into()?,
             names: open_pin(root, MAP_SERVICE_NAMES)?.try_into()?,
             counters: open_pin(root, MAP_COUNTERS)?.try_into()?,
             snat_addrs: open_pin(root, MAP_SNAT_ADDRS)?.try_into()?,
@@ -254,6 +264,11 @@ impl Maps {
         let epoch = self.backends_epoch.get(&0, 0).context("reading the backends epoch")?;
         self.backends_epoch.set(0, &epoch.wrapping_add(1), 0).context("bumping the backends epoch")?;
         Ok(())
+    }
+
+    /// The conntrack entry under `key`, confirmed or not.
+    pub fn conntrack_entry(&self, key: &CtKey) -> Result<CtEntry, MapError> {
+        self.conntrack.get(key, 0).or_else(|_| self.ct_unconfirmed.get(key, 0))
     }
 
     /// Per-CPU counters summed, indexed like `COUNTER_NAMES`.

@@ -263,13 +263,15 @@ fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64
 type EntryCounter = fn(&Path, &str) -> Result<u64>;
 
 /// How to count the entries of each pinned map: by its key and value types.
-const ENTRY_COUNTERS: [(&str, EntryCounter); 20] = {
+const ENTRY_COUNTERS: [(&str, EntryCounter); 22] = {
     use proxy_common::*;
     [
         (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>),
         (MAP_BACKEND_SLOTS, hash_entries::<SlotKey, u32>),
         (MAP_BACKENDS, hash_entries::<u32, Backend>),
         (MAP_CONNTRACK, hash_entries::<CtKey, CtEntry>),
+        (MAP_CT_UNCONFIRMED, hash_entries::<CtKey, CtEntry>),
+        (MAP_SNAT_UNCONFIRMED, hash_entries::<CtKey, SnatEntry>),
         (MAP_SERVICE_NAMES, hash_entries::<u32, ServiceName>),
         (MAP_SNAT, hash_entries::<CtKey, SnatEntry>),
         (MAP_SNAT_ADDRS, hash_entries::<u32, Addr>),
@@ -336,6 +338,7 @@ fn verdict_of(index: usize) -> (&'static str, &'static str) {
             RejectSuppressed,
             RejectLimited,
             NodeRouteFailed,
+            CtOutOfState,
         ]
         .iter()
             .any(|c| *c as usize == i) =>
@@ -391,19 +394,58 @@ impl Collector for Dataplane {
                 return Ok(());
             }
         };
+        encode_conntrack(&mut encoder, &fill, &counters)?;
         let mut enc = encoder.encode_descriptor(
             "ebpf_proxy_packets",
             "Packets seen by the datapath (summed over CPUs), by verdict and its reason",
             None,
             MetricType::Counter,
         )?;
-        for (i, value) in counters.iter().enumerate() {
+        for (i, value) in counters.iter().enumerate().filter(|(i, _)| !CONNTRACK_COUNTERS.contains(i)) {
             let (verdict, reason) = verdict_of(i);
             let labels = [("verdict", verdict), ("reason", reason)];
             ConstCounter::new(*value).encode(enc.encode_family(&labels)?)?;
         }
         Ok(())
     }
+}
+
+/// Counters that are not packet verdicts: conntrack's own, shown by
+/// `encode_conntrack`.
+const CONNTRACK_COUNTERS: [usize; 2] = [DpCounter::CtPromoted as usize, DpCounter::CtReleased as usize];
+
+/// Confirmed and unconfirmed entries, and the confirmed entries the LRU
+/// evicted: every entry that reached CONNTRACK (`ct_promoted`) is still
+/// there, was removed by the datapath (`ct_released`), or was evicted.
+fn encode_conntrack(
+    encoder: &mut DescriptorEncoder,
+    fill: &[(&'static str, Option<u64>, u64)],
+    counters: &[u64],
+) -> std::fmt::Result {
+    let entries = |map: &str| fill.iter().find(|(m, ..)| *m == map).and_then(|(_, n, _)| *n);
+    let (Some(confirmed), Some(unconfirmed)) =
+        (entries(proxy_common::MAP_CONNTRACK), entries(proxy_common::MAP_CT_UNCONFIRMED))
+    else {
+        return Ok(());
+    };
+    let mut enc = encoder.encode_descriptor(
+        "ebpf_proxy_conntrack_entries",
+        "Conntrack entries (two or three per flow): confirmed (the flow saw a reply) or unconfirmed",
+        None,
+        MetricType::Gauge,
+    )?;
+    ConstGauge::new(confirmed as i64).encode(enc.encode_family(&[("state", "confirmed")])?)?;
+    ConstGauge::new(unconfirmed as i64).encode(enc.encode_family(&[("state", "unconfirmed")])?)?;
+    let promoted = counters[DpCounter::CtPromoted as usize];
+    let released = counters[DpCounter::CtReleased as usize];
+    let enc = encoder.encode_descriptor(
+        "ebpf_proxy_conntrack_confirmed_evictions",
+        "Confirmed conntrack entries the full table evicted (entries that reached it, less those there now or removed)",
+        None,
+        MetricType::Counter,
+    )?;
+    ConstCounter::new(promoted.saturating_sub(released).saturating_sub(confirmed)).encode(enc)?;
+    Ok(())
 }
 
 async fn scrape(State(m): State<Metrics>) -> impl IntoResponse {

@@ -82,6 +82,10 @@ pub struct Trace {
     pub backend: Option<String>,
     pub candidates: Vec<String>,
     pub masquerade: bool,
+    /// For a masqueraded flow: the ports masquerade holds, and how often it
+    /// ran out (as `dump conntrack` ends with).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub masquerade_ports: Option<String>,
     pub existing_flow: bool,
     /// Every datapath counter the packet would have moved.
     pub counters: Vec<&'static str>,
@@ -106,6 +110,9 @@ pub fn print(from: Source, to: Destination, output: Output, root: &Path) -> Resu
             }
             if t.verdict == "ACCEPT" && !t.existing_flow || t.masquerade {
                 println!("masquerade  {}", if t.masquerade { "yes (the backend sees a node address)" } else { "no (the backend sees the client)" });
+            }
+            if let Some(ports) = &t.masquerade_ports {
+                println!("            {ports}");
             }
             println!("counters    {}", t.counters.join(", "));
         }
@@ -186,6 +193,11 @@ pub fn trace(from: Source, to: Destination, root: &Path) -> Result<Trace> {
         backend,
         candidates,
         masquerade: has(Counter::Masqueraded),
+        masquerade_ports: if has(Counter::Masqueraded) {
+            Some(crate::dump::masquerade_summary(&crate::dump::conntrack(&maps)?, &maps.read_counters()?))
+        } else {
+            None
+        },
         existing_flow,
         counters,
     })

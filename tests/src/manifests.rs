@@ -40,6 +40,22 @@ endpoints:
     )
 }
 
+/// `echo_service` as a NodePort: TCP on `tcp_node_port`, UDP on `udp_node_port`.
+pub fn echo_node_port_service(
+    cluster_ip: Ipv4Addr,
+    backends: &[Ipv4Addr],
+    tcp_node_port: u16,
+    udp_node_port: u16,
+) -> String {
+    echo_service("demo", "echo", cluster_ip, backends)
+        .replace("type: ClusterIP", "type: NodePort")
+        .replace(
+            &format!("targetPort: {TCP_TARGET}, protocol: TCP}}"),
+            &format!("targetPort: {TCP_TARGET}, nodePort: {tcp_node_port}, protocol: TCP}}"),
+        )
+        .replace("targetPort: dns, protocol: UDP}", &format!("targetPort: dns, nodePort: {udp_node_port}, protocol: UDP}}"))
+}
+
 /// The SCTP tests' Service `tel/sig`: a NodePort on `port` (nodePort
 /// `node_port`) whose targetPort differs, so every packet's CRC32c is
 /// patched, with one endpoint on node-a.

@@ -135,11 +135,11 @@ fn translation_cases() -> Vec<Case> {
             Counter::NewFlow,
         ),
         Case::new(
-            "UDP reply 10.244.0.11:5353 -> 10.244.0.2:40001: marked for egress",
+            "UDP reply 10.244.0.11:5353 -> 10.244.0.2:40001: marked for egress; the flow's two entries confirmed",
             udp((BACKEND, 5353), (CLIENT, 40001), udp_payload),
             TC_ACT_OK,
             Expect::Unchanged,
-            &[Counter::Reply],
+            &[Counter::Reply, Counter::CtPromoted, Counter::CtPromoted],
         )
         .leaves_mark(REVERSE_NAT_MARK),
         Case::new(
@@ -325,7 +325,8 @@ fn closed_port_reuse_cases() -> Vec<Case> {
             tcp_syn((EXTERNAL, 62000), (BACKEND, 8080)),
             TC_ACT_OK,
             Expect::Translated(tcp_syn((NODE_IP, 62000), (BACKEND, 8080))),
-            &[],
+            // The closed flow's confirmed entry makes way.
+            &[Counter::CtReleased],
         )
         .at_egress(MASQUERADE_MARK),
         Case::new(
@@ -342,7 +343,8 @@ fn closed_port_reuse_cases() -> Vec<Case> {
             tcp_syn((EXTERNAL_3, 62001), (BACKEND, 8080)),
             TC_ACT_OK,
             Expect::Translated(tcp_syn((NODE_IP, 62001), (BACKEND, 8080))),
-            &[],
+            // The closed flow's confirmed entry makes way.
+            &[Counter::CtReleased],
         )
         .at_egress(MASQUERADE_MARK),
         Case::new(
@@ -359,6 +361,18 @@ fn closed_port_reuse_cases() -> Vec<Case> {
 /// The SNAT reply entry of `client`'s masqueraded flow to the TCP backend
 /// through 10.96.0.10:80, on `port`, closed `idle_s` ago.
 fn hold_closed_flow(m: &mut Maps, client: Endpoint, port: u16, idle_s: u64) -> anyhow::Result<()> {
+    hold_snat_port(m, client, port, idle_s, CT_MASQUERADE | CT_CLOSING)
+}
+
+/// As `hold_closed_flow`, for a flow whose SYN was never answered: an
+/// unconfirmed entry, last seen `idle_s` ago.
+fn hold_unanswered_flow(m: &mut Maps, client: Endpoint, port: u16, idle_s: u64) -> anyhow::Result<()> {
+    hold_snat_port(m, client, port, idle_s, CT_MASQUERADE | CT_PENDING)
+}
+
+/// The SNAT reply entry of a flow in the state `flags` says, in the table
+/// that state lives in.
+fn hold_snat_port(m: &mut Maps, client: Endpoint, port: u16, idle_s: u64, flags: u8) -> anyhow::Result<()> {
     let monotonic_ns = || -> anyhow::Result<u64> {
         let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
         Ok(now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64)
@@ -371,9 +385,9 @@ fn hold_closed_flow(m: &mut Maps, client: Endpoint, port: u16, idle_s: u64) -> a
         std::thread::sleep(std::time::Duration::from_nanos(old_enough - now_ns));
         now_ns = monotonic_ns()?;
     }
-    let closed = CtEntry {
+    let held = CtEntry {
         direction: CT_REPLY,
-        flags: CT_MASQUERADE | CT_CLOSING,
+        flags,
         nat_addr: Addr::from_v4_octets(VIP),
         nat_port: 80u16.to_be(),
         rev_addr: Addr::from_v4_octets(client.0),
@@ -381,8 +395,31 @@ fn hold_closed_flow(m: &mut Maps, client: Endpoint, port: u16, idle_s: u64) -> a
         last_seen_ns: now_ns.saturating_sub(idle_s * 1_000_000_000),
         ..Default::default()
     };
-    m.conntrack.insert(&ct_key((BACKEND, 8080), (NODE_IP, port), IPPROTO_TCP), &closed, 0)?;
+    let table = if flags & CT_PENDING != 0 { &mut m.ct_unconfirmed } else { &mut m.conntrack };
+    table.insert(&ct_key((BACKEND, 8080), (NODE_IP, port), IPPROTO_TCP), &held, 0)?;
     Ok(())
+}
+
+/// A port held by a flow whose SYN was never answered goes back to the
+/// pool once the flow lapses (CT_UNCONFIRMED_TIMEOUT_NS, 30 s idle), not
+/// when the LRU gets round to it.
+fn unanswered_port_cases() -> Vec<Case> {
+    vec![
+        masqueraded_syn("TCP SYN 203.0.113.4:62010 -> 10.96.0.10:80: masqueraded", (EXTERNAL_3, 62010)),
+        snat_to_a_drawn_port(
+            "egress: port 62010's unanswered flow (203.0.113.3) was seen 5 s ago: another port",
+            (EXTERNAL_3, 62010),
+        ),
+        masqueraded_syn("TCP SYN 203.0.113.4:62011 -> 10.96.0.10:80: masqueraded", (EXTERNAL_3, 62011)),
+        Case::new(
+            "egress: port 62011's unanswered flow (203.0.113.3) lapsed 31 s ago: kept by another client",
+            tcp_syn((EXTERNAL_3, 62011), (BACKEND, 8080)),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((NODE_IP, 62011), (BACKEND, 8080))),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK),
+    ]
 }
 
 /// 203.0.113.2:62000's flow closed 2 s ago on port 62000, 203.0.113.3:62001's
@@ -404,7 +441,7 @@ fn full_snat_range_cases() -> Vec<Case> {
             tcp_syn((EXTERNAL, 40003), (BACKEND, 8080)),
             TC_ACT_OK,
             Expect::Translated(tcp_syn((NODE_IP, 40003), (BACKEND, 8080))),
-            &[Counter::SnatPortShared],
+            &[Counter::SnatPortShared, Counter::CtReleased],
         )
         .at_egress(MASQUERADE_MARK),
     ]
@@ -441,7 +478,7 @@ fn node_socket_cases(port: u16) -> Vec<Case> {
 
 fn closed_snat_port_is_closing(maps: &Maps) -> Result<(), String> {
     let key = ct_key((BACKEND, 8080), (NODE_IP, 62000), IPPROTO_TCP);
-    let e = maps.conntrack.get(&key, 0).map_err(|e| format!("SNAT reply entry {key:?}: {e}"))?;
+    let e = maps.conntrack_entry(&key).map_err(|e| format!("SNAT reply entry {key:?}: {e}"))?;
     if e.flags & CT_CLOSING == 0 {
         return Err(format!("SNAT reply entry after the client's FIN has flags {:#x}, want CT_CLOSING", e.flags));
     }
@@ -495,11 +532,127 @@ fn node_socket_on_a_taken_tuple(what: &str) -> Case {
 
 fn masqueraded_reply_is_tracked(maps: &Maps) -> Result<(), String> {
     let key = ct_key((BACKEND, 8080), (NODE_IP, 62000), IPPROTO_TCP);
-    let e = maps.conntrack.get(&key, 0).map_err(|e| format!("masqueraded reply entry {key:?}: {e}"))?;
-    let want = (CT_REPLY, CT_MASQUERADE, Addr::from_v4_octets(VIP), 80u16.to_be(), Addr::from_v4_octets(EXTERNAL), 62000u16.to_be());
+    let e = maps.conntrack_entry(&key).map_err(|e| format!("masqueraded reply entry {key:?}: {e}"))?;
+    // Pending: a TCP flow is confirmed by its handshake's last ACK.
+    let want =
+        (CT_REPLY, CT_MASQUERADE | CT_PENDING, Addr::from_v4_octets(VIP), 80u16.to_be(), Addr::from_v4_octets(EXTERNAL), 62000u16.to_be());
     let got = (e.direction, e.flags, e.nat_addr, e.nat_port, e.rev_addr, e.rev_port);
     if got != want {
         return Err(format!("masqueraded reply {got:?}, want (direction, flags, frontend, port, client, port) {want:?}"));
+    }
+    Ok(())
+}
+
+/// Conntrack under a flood: only an opening starts a flow, and a TCP flow
+/// is confirmed (moved out of the unconfirmed table a flood turns over) by
+/// the client's ACK of the backend's SYN-ACK, not by the SYN-ACK itself.
+fn handshake_cases() -> Vec<Case> {
+    let (client, vip, backend) = ((CLIENT, 41000), (VIP, 80), (BACKEND, 8080));
+    let ext = (EXTERNAL, 62100);
+    let established = |what: &str, frame: fn(Endpoint, Endpoint) -> Vec<u8>, counters: &[Counter]| {
+        Case::new(what, frame(client, vip), TC_ACT_OK, Expect::Translated(frame(client, backend)), counters)
+    };
+    vec![
+        dropped(
+            "TCP ACK 10.244.0.2:41000 -> 10.96.0.10:80, no flow: dropped out of state, nothing recorded",
+            tcp_ack(client, vip, 5_000_001),
+            Counter::CtOutOfState,
+        )
+        .then(no_flow_recorded),
+        Case::translated("TCP SYN -> 10.96.0.10:80: DNAT, both entries unconfirmed", tcp_syn(client, vip), tcp_syn(client, backend), Counter::NewFlow)
+            .then(flow_is_unconfirmed),
+        Case::new("the backend's SYN-ACK (seq 5000000): a reply; still unconfirmed", syn_ack(backend, client), TC_ACT_OK, Expect::Unchanged, &[Counter::Reply])
+            .leaves_mark(REVERSE_NAT_MARK)
+            .then(handshake_ack_recorded),
+        established("a client ACK of 5000002 (a blind guess): translated, not confirmed", |c, d| tcp_ack(c, d, 5_000_002), &[Counter::Established])
+            .then(flow_is_unconfirmed),
+        established(
+            "the client's ACK of 5000001: the handshake completes, both entries confirmed",
+            |c, d| tcp_ack(c, d, 5_000_001),
+            &[Counter::Established, Counter::CtPromoted, Counter::CtPromoted],
+        )
+        .then(flow_is_confirmed),
+        established("the next segment: established, as before", |c, d| tcp_data(c, d, b"GET /"), &[Counter::Established]),
+        // Masqueraded: the SNAT reply entry and the SNAT choice move too.
+        masqueraded_syn("TCP SYN 203.0.113.2:62100 -> 10.96.0.10:80 from outside: DNAT, marked for masquerade", ext),
+        Case::new(
+            "egress: from the node address, port kept",
+            tcp_syn(ext, backend),
+            TC_ACT_OK,
+            Expect::Translated(tcp_syn((NODE_IP, 62100), backend)),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK),
+        Case::new(
+            "SYN-ACK to 192.168.0.2:62100: back to 203.0.113.2:62100",
+            syn_ack(backend, (NODE_IP, 62100)),
+            TC_ACT_OK,
+            Expect::Translated(syn_ack(backend, ext)),
+            &[Counter::Reply],
+        )
+        .leaves_mark(REVERSE_NAT_MARK),
+        Case::new(
+            "the client's ACK: confirmed, its three entries",
+            tcp_ack(ext, vip, 5_000_001),
+            TC_ACT_OK,
+            Expect::Translated(tcp_ack(ext, backend, 5_000_001)),
+            &[Counter::Established, Counter::CtPromoted, Counter::CtPromoted, Counter::CtPromoted],
+        )
+        .leaves_mark(MASQUERADE_MARK)
+        .then(masqueraded_flow_is_confirmed),
+        Case::new(
+            "egress: the confirmed SNAT choice still applies",
+            tcp_ack(ext, backend, 5_000_001),
+            TC_ACT_OK,
+            Expect::Translated(tcp_ack((NODE_IP, 62100), backend, 5_000_001)),
+            &[],
+        )
+        .at_egress(MASQUERADE_MARK),
+    ]
+}
+
+fn no_flow_recorded(maps: &Maps) -> Result<(), String> {
+    let n = maps.conntrack.keys().count() + maps.ct_unconfirmed.keys().count();
+    if n == 0 { Ok(()) } else { Err(format!("{n} conntrack entries, want none")) }
+}
+
+/// Where the 10.244.0.2:41000 flow's two entries are: (unconfirmed, confirmed).
+fn handshake_flow_entries(maps: &Maps) -> [(bool, bool); 2] {
+    [ct_key((CLIENT, 41000), (VIP, 80), IPPROTO_TCP), ct_key((BACKEND, 8080), (CLIENT, 41000), IPPROTO_TCP)]
+        .map(|k| (maps.ct_unconfirmed.get(&k, 0).is_ok(), maps.conntrack.get(&k, 0).is_ok()))
+}
+
+fn flow_is_unconfirmed(maps: &Maps) -> Result<(), String> {
+    let at = handshake_flow_entries(maps);
+    if at == [(true, false); 2] { Ok(()) } else { Err(format!("(unconfirmed, confirmed) of original and reply: {at:?}")) }
+}
+
+fn flow_is_confirmed(maps: &Maps) -> Result<(), String> {
+    let at = handshake_flow_entries(maps);
+    let pending = [ct_key((CLIENT, 41000), (VIP, 80), IPPROTO_TCP), ct_key((BACKEND, 8080), (CLIENT, 41000), IPPROTO_TCP)]
+        .iter()
+        .filter_map(|k| maps.conntrack.get(k, 0).ok())
+        .any(|e| e.flags & CT_PENDING != 0);
+    if at == [(false, true); 2] && !pending { Ok(()) } else { Err(format!("(unconfirmed, confirmed) of original and reply: {at:?}, pending flag: {pending}")) }
+}
+
+fn handshake_ack_recorded(maps: &Maps) -> Result<(), String> {
+    flow_is_unconfirmed(maps)?;
+    let e = maps.conntrack_entry(&ct_key((CLIENT, 41000), (VIP, 80), IPPROTO_TCP)).map_err(|e| e.to_string())?;
+    let want = 5_000_001u32.to_be();
+    if e.handshake_ack == want { Ok(()) } else { Err(format!("handshake_ack {:#x}, want {want:#x}", e.handshake_ack)) }
+}
+
+fn masqueraded_flow_is_confirmed(maps: &Maps) -> Result<(), String> {
+    for key in [
+        ct_key((EXTERNAL, 62100), (VIP, 80), IPPROTO_TCP),
+        ct_key((BACKEND, 8080), (EXTERNAL, 62100), IPPROTO_TCP),
+        ct_key((BACKEND, 8080), (NODE_IP, 62100), IPPROTO_TCP),
+    ] {
+        let e = maps.conntrack.get(&key, 0).map_err(|e| format!("confirmed entry {key:?}: {e}"))?;
+        if e.flags & CT_PENDING != 0 || maps.ct_unconfirmed.get(&key, 0).is_ok() {
+            return Err(format!("{key:?} still pending"));
+        }
     }
     Ok(())
 }
@@ -600,6 +753,13 @@ fn translation_fixtures() {
 }
 
 #[test]
+fn handshake_fixtures() {
+    let mut fx = Fixture::new("fixtures-handshake", install_services).unwrap();
+    install_policy(&mut fx.maps).expect("filling the policy maps");
+    run_table(&fx, "handshake", handshake_cases(), recheck_checksums, field);
+}
+
+#[test]
 fn verdict_fixtures() {
     let mut fx = Fixture::new("fixtures-verdict", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
@@ -612,6 +772,15 @@ fn closed_port_reuse_fixtures() {
     install_policy(&mut fx.maps).expect("filling the policy maps");
     hold_ports_of_closed_flows(&mut fx.maps).expect("holding SNAT ports 62000 and 62001");
     run_table(&fx, "closed SNAT port reuse", closed_port_reuse_cases(), recheck_checksums, field);
+}
+
+#[test]
+fn unanswered_port_fixtures() {
+    let mut fx = Fixture::new("fixtures-unanswered", install_services).unwrap();
+    install_policy(&mut fx.maps).expect("filling the policy maps");
+    hold_unanswered_flow(&mut fx.maps, (EXTERNAL_2, 62010), 62010, 5).expect("holding port 62010");
+    hold_unanswered_flow(&mut fx.maps, (EXTERNAL_2, 62011), 62011, 31).expect("holding port 62011");
+    run_table(&fx, "unanswered flow's SNAT port", unanswered_port_cases(), recheck_checksums, field);
 }
 
 #[test]
@@ -637,7 +806,7 @@ fn node_socket_fixtures() {
 fn untouched_fixtures() {
     let fx = Fixture::new("fixtures-untouched", install_services).unwrap();
     run_table(&fx, "left untouched", untouched_cases(), recheck_checksums, field);
-    let flows = fx.maps.conntrack.keys().count();
+    let flows = fx.maps.conntrack.keys().count() + fx.maps.ct_unconfirmed.keys().count();
     assert_eq!(flows, 0, "untouched frames created {flows} conntrack entries");
 }
 
@@ -694,7 +863,7 @@ fn ct_key(src: Endpoint, dst: Endpoint, proto: u8) -> CtKey {
 
 fn original_entry_is_closing(maps: &Maps) -> Result<(), String> {
     let key = ct_key((CLIENT, 40000), (VIP, 80), IPPROTO_TCP);
-    let e = maps.conntrack.get(&key, 0).map_err(|e| format!("conntrack {key:?}: {e}"))?;
+    let e = maps.conntrack_entry(&key).map_err(|e| format!("conntrack {key:?}: {e}"))?;
     if e.flags & CT_CLOSING == 0 {
         return Err(format!("ORIGINAL entry after a FIN has flags {:#x}, want CT_CLOSING", e.flags));
     }
@@ -702,7 +871,7 @@ fn original_entry_is_closing(maps: &Maps) -> Result<(), String> {
 }
 
 fn conntrack_has_both_directions(maps: &Maps) -> Result<(), String> {
-    let get = |key: &CtKey| maps.conntrack.get(key, 0).map_err(|e| format!("conntrack {key:?}: {e}"));
+    let get = |key: &CtKey| maps.conntrack_entry(key).map_err(|e| format!("conntrack {key:?}: {e}"));
     let orig = get(&ct_key((CLIENT, 40000), (VIP, 80), IPPROTO_TCP))?;
     let want = (CT_ORIGINAL, Addr::from_v4_octets(BACKEND), 8080u16.to_be(), TCP_SERVICE_ID, TCP_BACKEND_ID);
     let got = (orig.direction, orig.nat_addr, orig.nat_port, orig.service_id, orig.backend_id);
@@ -874,6 +1043,23 @@ fn tcp_data(src: Endpoint, dst: Endpoint, payload: &[u8]) -> Vec<u8> {
             .write(v, payload)
             .unwrap()
     })
+}
+
+/// A bare ACK of `ack` from the client (sequence 1000001, after its SYN).
+fn tcp_ack(src: Endpoint, dst: Endpoint, ack: u32) -> Vec<u8> {
+    let mut h = TcpHeader::new(src.1, dst.1, 1_000_001, 502);
+    h.ack = true;
+    h.acknowledgment_number = ack;
+    build(|v| PacketBuilder::ethernet2(MAC_SRC, MAC_DST).ipv4(src.0, dst.0, 64).tcp_header(h).write(v, &[]).unwrap())
+}
+
+/// The backend's SYN-ACK (sequence 5000000) of the client's SYN (1000000).
+fn syn_ack(src: Endpoint, dst: Endpoint) -> Vec<u8> {
+    let mut h = TcpHeader::new(src.1, dst.1, 5_000_000, 65160);
+    h.syn = true;
+    h.ack = true;
+    h.acknowledgment_number = 1_000_001;
+    build(|v| PacketBuilder::ethernet2(MAC_SRC, MAC_DST).ipv4(src.0, dst.0, 64).tcp_header(h).write(v, &[]).unwrap())
 }
 
 fn tcp_rst(src: Endpoint, dst: Endpoint) -> Vec<u8> {

@@ -127,11 +127,11 @@ fn translation_cases() -> Vec<Case> {
             Counter::NewFlow,
         ),
         Case::new(
-            "UDP reply from [fd00:10:244::11]:5353: marked for egress",
+            "UDP reply from [fd00:10:244::11]:5353: marked for egress; the flow's two entries confirmed",
             udp((BACKEND, 5353), (CLIENT, 40002), dns),
             TC_ACT_OK,
             Expect::Unchanged,
-            &[Counter::Reply],
+            &[Counter::Reply, Counter::CtPromoted, Counter::CtPromoted],
         )
         .leaves_mark(REVERSE_NAT_MARK),
         Case::new(
@@ -339,7 +339,7 @@ fn ipv6_masquerade_fixtures() {
 fn ipv6_untouched_fixtures() {
     let fx = fixture("ipv6-fixtures-untouched");
     run_table(&fx, "IPv6 left untouched", untouched_cases(), recheck_checksums, field);
-    let flows = fx.maps.conntrack.keys().count();
+    let flows = fx.maps.conntrack.keys().count() + fx.maps.ct_unconfirmed.keys().count();
     assert_eq!(flows, 0, "untouched frames created {flows} conntrack entries");
 }
 
@@ -358,7 +358,7 @@ fn ct_key(src: Endpoint, dst: Endpoint, proto: u8) -> CtKey {
 }
 
 fn conntrack_has_both_directions(maps: &Maps) -> Result<(), String> {
-    let get = |key: &CtKey| maps.conntrack.get(key, 0).map_err(|e| format!("conntrack {key:?}: {e}"));
+    let get = |key: &CtKey| maps.conntrack_entry(key).map_err(|e| format!("conntrack {key:?}: {e}"));
     let orig = get(&ct_key((CLIENT, 40000), (VIP, 80), IPPROTO_TCP))?;
     let want = (CT_ORIGINAL, addr(BACKEND), 8080u16.to_be(), TCP_SERVICE_ID, TCP_BACKEND_ID);
     let got = (orig.direction, orig.nat_addr, orig.nat_port, orig.service_id, orig.backend_id);

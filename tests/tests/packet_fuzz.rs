@@ -753,9 +753,11 @@ fn fixture() -> Fixture {
 }
 
 fn flush_conntrack(m: &mut Maps) {
-    let keys: Vec<CtKey> = m.conntrack.keys().filter_map(Result::ok).collect();
-    for k in keys {
-        let _ = m.conntrack.remove(&k);
+    for table in [&mut m.conntrack, &mut m.ct_unconfirmed] {
+        let keys: Vec<CtKey> = table.keys().filter_map(Result::ok).collect();
+        for k in keys {
+            let _ = table.remove(&k);
+        }
     }
 }
 

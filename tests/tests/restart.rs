@@ -20,7 +20,7 @@ use proxy_tests::{
     bpffs::Bpffs,
     flows::{RawEcho, SteadyFlows},
     is_root,
-    manifests::{TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET, echo_service},
+    manifests::{TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET, echo_node_port_service},
     netns::Netns,
     topology::{Node, Pod},
 };
@@ -30,17 +30,6 @@ const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 1);
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 2);
 const TCP_NODE_PORT: u16 = 30080;
 const UDP_NODE_PORT: u16 = 30053;
-
-/// The echo Service as a NodePort, with its EndpointSlice.
-fn node_port_service(backends: &[Ipv4Addr]) -> String {
-    echo_service("demo", "echo", CLUSTER_IP, backends)
-        .replace("type: ClusterIP", "type: NodePort")
-        .replace(
-            &format!("targetPort: {TCP_TARGET}, protocol: TCP}}"),
-            &format!("targetPort: {TCP_TARGET}, nodePort: {TCP_NODE_PORT}, protocol: TCP}}"),
-        )
-        .replace("targetPort: dns, protocol: UDP}", &format!("targetPort: dns, nodePort: {UDP_NODE_PORT}, protocol: UDP}}"))
-}
 
 /// A client outside the node, on a link of its own to the node.
 fn external_client(node: &Node) -> Result<Netns> {
@@ -94,7 +83,7 @@ fn flows_survive_sigkill_restart_and_upgrade() -> Result<()> {
     let bpffs = Bpffs::new("rst")?;
     let root = bpffs.path().join("agent");
     let manifests = tempfile::tempdir()?;
-    std::fs::write(manifests.path().join("echo.yaml"), node_port_service(&[b1.ip, b2.ip]))?;
+    std::fs::write(manifests.path().join("echo.yaml"), echo_node_port_service(CLUSTER_IP, &[b1.ip, b2.ip], TCP_NODE_PORT, UDP_NODE_PORT))?;
 
     let mut agent = Agent::start(&node.ns, manifests.path(), &root, &[])?;
     agent.wait_healthy(&node.ns, TIMEOUT)?;

@@ -72,6 +72,14 @@ fn marked_reply(what: &str, input: Vec<u8>) -> Case {
     Case::new(what, input, TC_ACT_OK, Expect::Unchanged, &[Counter::Reply]).leaves_mark(REVERSE_NAT_MARK)
 }
 
+/// The association's first reply (the INIT-ACK): marked, and the flow's two
+/// entries confirmed.
+fn first_reply(what: &str, input: Vec<u8>) -> Case {
+    let mut case = marked_reply(what, input);
+    case.counters.extend([Counter::CtPromoted, Counter::CtPromoted]);
+    case
+}
+
 /// The marked reply at egress: its source becomes the frontend.
 fn egress_reply(what: &str, input: Vec<u8>, want: Vec<u8>) -> Case {
     Case::new(what, input, TC_ACT_OK, Expect::Translated(want), &[]).at_egress(REVERSE_NAT_MARK).leaves_mark(0)
@@ -91,7 +99,7 @@ fn association_cases() -> Vec<Case> {
             Counter::NewFlow,
         )
         .then(conntrack_has_both_directions),
-        marked_reply(
+        first_reply(
             "INIT-ACK 10.244.0.11:3905 -> 10.244.0.2:40000: recognised at ingress, marked for egress",
             frame(backend, client, CLIENT_TAG, &[chunk::init_ack(SERVER_TAG, cookie)]),
         ),
@@ -165,7 +173,7 @@ fn address_only_cases() -> Vec<Case> {
             readdressed(&init, CLIENT, BACKEND),
             Counter::NewFlow,
         ),
-        marked_reply(
+        first_reply(
             "INIT-ACK reply 10.244.0.11:3905 -> 10.244.0.2:40002: recognised at ingress, marked for egress",
             init_ack.clone(),
         ),
@@ -228,7 +236,7 @@ fn sctp_address_only_fixtures() {
 fn sctp_untouched_fixtures() {
     let fx = Fixture::new("sctp-untouched", install_services).unwrap();
     run_table(&fx, "SCTP left untouched", untouched_cases(), recheck, field);
-    let flows = fx.maps.conntrack.keys().count();
+    let flows = fx.maps.conntrack.keys().count() + fx.maps.ct_unconfirmed.keys().count();
     assert_eq!(flows, 0, "untouched frames created {flows} conntrack entries");
 }
 
@@ -264,7 +272,7 @@ fn conntrack_has_both_directions(maps: &Maps) -> Result<(), String> {
         proto: IPPROTO_SCTP,
         _pad: [0; 3],
     };
-    let get = |k: &CtKey| maps.conntrack.get(k, 0).map_err(|e| format!("conntrack {k:?}: {e}"));
+    let get = |k: &CtKey| maps.conntrack_entry(k).map_err(|e| format!("conntrack {k:?}: {e}"));
     let orig = get(&key((CLIENT, 40000), (VIP, PORT)))?;
     let want = (CT_ORIGINAL, Addr::from_v4_octets(BACKEND), TARGET.to_be(), SERVICE_ID, BACKEND_ID);
     let got = (orig.direction, orig.nat_addr, orig.nat_port, orig.service_id, orig.backend_id);
