@@ -129,8 +129,23 @@ fn load_error(e: aya::EbpfError, root: &Path) -> anyhow::Error {
             root = root.display()
         );
     }
+    let denied = matches!(&e, aya::EbpfError::MapError(aya::maps::MapError::CreateError { io_error, .. })
+        if io_error.raw_os_error() == Some(libc::EPERM));
+    if let Some(memlock) = memlock_limit().filter(|soft| denied && *soft != libc::RLIM_INFINITY) {
+        return anyhow::Error::new(e).context(format!(
+            "creating the BPF maps failed: this kernel (before Linux 5.11) charges them to RLIMIT_MEMLOCK, which is \
+             {} KiB here and only CAP_SYS_RESOURCE may raise (the DaemonSet grants it); or raise the memlock limit",
+            memlock / 1024
+        ));
+    }
     anyhow::Error::new(e)
         .context("loading the BPF programs failed (is this process allowed to use BPF? CAP_BPF and CAP_NET_ADMIN are needed)")
+}
+
+/// The soft RLIMIT_MEMLOCK, in bytes.
+fn memlock_limit() -> Option<libc::rlim_t> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    (unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } == 0).then_some(limit.rlim_cur)
 }
 
 /// Loads the programs; maps already pinned under `root` are reused, so a
