@@ -227,9 +227,10 @@ pub const CT_LOOPBACK: u8 = 1 << 3;
 pub const CT_PENDING: u8 = 1 << 4;
 /// The flow is confirmed by its first reply: UDP and SCTP flows, and the
 /// node's own (whose opening no outside spoofer can send). Other TCP flows
-/// are confirmed by the client's ACK of the backend's SYN-ACK, as netfilter
-/// marks a connection ASSURED only once its handshake completed: a backend
-/// answering a flood of spoofed SYNs does not confirm them.
+/// are confirmed by the client's ACK of the backend's SYN-ACK, or by a
+/// plain ACK from the backend (sent only once the handshake completed), as
+/// netfilter marks a connection ASSURED only then: a backend answering a
+/// flood of spoofed SYNs does not confirm them.
 pub const CT_CONFIRM_ON_REPLY: u8 = 1 << 5;
 /// As netfilter's UDP timeout for a flow without replies (30 s); a TCP
 /// client's SYN retransmissions (1, 2, 4, ... s apart) keep theirs alive

@@ -121,7 +121,10 @@ mod program {
                 CT_REPLY => {
                     if !TRACE && ct.flags & CT_PENDING != 0 {
                         if let Some(flow) = Confirming::of_reply(&pkt.tuple, ct) {
-                            if ct.flags & CT_CONFIRM_ON_REPLY != 0 {
+                            // A TCP server sends a plain ACK only once its
+                            // handshake completed: that confirms too (the
+                            // client's ACK may have gone unseen).
+                            if ct.flags & CT_CONFIRM_ON_REPLY != 0 || pkt.acks_only() {
                                 flow.confirm();
                                 let Some(moved) = conntrack::lookup_mut(&pkt.tuple) else { return NOT_OURS };
                                 ct = moved;

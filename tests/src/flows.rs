@@ -255,3 +255,14 @@ impl Drop for SteadyFlows {
         self.threads.drain(..).for_each(|t| drop(t.join()));
     }
 }
+
+/// One line through an echo on `conn` (a RawEcho's TCP side): written,
+/// and read back whole within two seconds.
+pub fn echo_round_trip(conn: &mut TcpStream, line: &str) -> Result<()> {
+    conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+    conn.write_all(line.as_bytes())?;
+    let mut got = vec![0; line.len()];
+    conn.read_exact(&mut got)?;
+    anyhow::ensure!(got == line.as_bytes(), "echo {:?}, want {line:?}", String::from_utf8_lossy(&got));
+    Ok(())
+}

@@ -14,6 +14,7 @@ pub mod conformance;
 pub mod demo;
 pub mod echo;
 pub mod fixture;
+pub mod flood;
 pub mod flows;
 pub mod hooks;
 pub mod kapisrv;

@@ -8,23 +8,20 @@
 //! than the confirmed table holds: its evictions are counted.
 
 use std::{
-    io::{Read, Write},
     net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream, UdpSocket},
     time::Duration,
 };
 
 use anyhow::{Context, Result, ensure};
-use etherparse::PacketBuilder;
 use proxy_tests::{
     agent::Agent,
     bpffs::Bpffs,
-    flows::{RawEcho, SteadyFlows},
+    flood::spoofed_syns,
+    flows::{RawEcho, SteadyFlows, echo_round_trip},
     is_root,
     manifests::{TCP_TARGET, UDP_TARGET, echo_node_port_service},
-    netns::Netns,
     topology::Node,
 };
-use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 78, 1);
@@ -71,7 +68,7 @@ fn spoofed_syn_flood_evicts_no_live_flow_and_evictions_are_counted() -> Result<(
     }
 
     let before = agent.scrape(&node.ns)?;
-    flood(&ext.ns, SocketAddrV4::new(NODE_IP, TCP_NODE_PORT), FLOOD)?;
+    spoofed_syns(&ext.ns, SocketAddrV4::new(NODE_IP, TCP_NODE_PORT), FLOOD, None)?;
     let after = agent.scrape(&node.ns)?;
     let moved = |series: &str| get(&after, series).unwrap_or(0.0) - get(&before, series).unwrap_or(0.0);
     let new_flows = moved(r#"ebpf_proxy_packets_total{verdict="translated",reason="new_flow"}"#);
@@ -115,41 +112,7 @@ fn get(scrape: &std::collections::BTreeMap<String, f64>, series: &str) -> Result
 }
 
 fn round_trip(conn: &mut TcpStream, i: usize) -> Result<()> {
-    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let line = format!("idle {i}\n");
-    conn.write_all(line.as_bytes())?;
-    let mut got = vec![0; line.len()];
-    conn.read_exact(&mut got)?;
-    ensure!(got == line.as_bytes(), "echo {:?}", String::from_utf8_lossy(&got));
-    Ok(())
-}
-
-/// `count` TCP SYNs to `to`, each from a random source in 198.18.0.0/15
-/// (the benchmarking range: nothing answers there) and port, through a raw
-/// socket in `ns`.
-fn flood(ns: &Netns, to: SocketAddrV4, count: u32) -> Result<()> {
-    ns.run(move || -> Result<()> {
-        // IPPROTO_RAW: the frame carries its own IP header.
-        let socket = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::from(libc::IPPROTO_RAW)))?;
-        let dest = SockAddr::from(to);
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut frame = Vec::with_capacity(64);
-        for _ in 0..count {
-            // xorshift64: reproducible, and plenty for spoofed addresses.
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            let [a, b, p0, p1, s0, s1, s2, s3] = seed.to_le_bytes();
-            let source = [198, 18 | (a & 1), b, p0];
-            frame.clear();
-            PacketBuilder::ipv4(source, to.ip().octets(), 64)
-                .tcp(u16::from_le_bytes([p1, s0]) | 1024, to.port(), u32::from_le_bytes([s0, s1, s2, s3]), 64240)
-                .syn()
-                .write(&mut frame, &[])?;
-            socket.send_to(&frame, &dest)?;
-        }
-        Ok(())
-    })?
+    echo_round_trip(conn, &format!("idle {i}\n"))
 }
 
 /// `count` UDP exchanges with the echo behind `to`, each from a socket of

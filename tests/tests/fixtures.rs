@@ -112,11 +112,12 @@ fn translation_cases() -> Vec<Case> {
             Counter::NewFlow,
         ),
         Case::new(
-            "TCP reply 10.244.0.11:8080 -> 10.244.0.2:40000: recognised at ingress, marked for egress",
+            "TCP reply 10.244.0.11:8080 -> 10.244.0.2:40000: recognised at ingress, marked for egress; \
+             the server's ACK confirms the flow",
             tcp_data(backend_http, client, b"HTTP/1.1 200 OK\r\n\r\n"),
             TC_ACT_OK,
             Expect::Unchanged,
-            &[Counter::Reply],
+            &[Counter::Reply, Counter::CtPromoted, Counter::CtPromoted],
         )
         .leaves_mark(REVERSE_NAT_MARK),
         Case::new(
@@ -240,7 +241,8 @@ fn verdict_cases() -> Vec<Case> {
             tcp_data((BACKEND, 8080), (NODE_IP, 62000), b"ok"),
             TC_ACT_OK,
             Expect::Translated(tcp_data((BACKEND, 8080), ext, b"ok")),
-            &[Counter::Reply],
+            // The server's ACK confirms the masqueraded flow: its three entries.
+            &[Counter::Reply, Counter::CtPromoted, Counter::CtPromoted, Counter::CtPromoted],
         )
         .leaves_mark(REVERSE_NAT_MARK),
         Case::new(
@@ -334,7 +336,8 @@ fn closed_port_reuse_cases() -> Vec<Case> {
             tcp_data((BACKEND, 8080), (NODE_IP, 62000), b"ok"),
             TC_ACT_OK,
             Expect::Translated(tcp_data((BACKEND, 8080), (EXTERNAL, 62000), b"ok")),
-            &[Counter::Reply],
+            // The server's ACK confirms the masqueraded flow: its three entries.
+            &[Counter::Reply, Counter::CtPromoted, Counter::CtPromoted, Counter::CtPromoted],
         )
         .leaves_mark(REVERSE_NAT_MARK),
         masqueraded_syn("TCP SYN 203.0.113.4:62001 -> 10.96.0.10:80: masqueraded", (EXTERNAL_3, 62001)),
@@ -352,7 +355,8 @@ fn closed_port_reuse_cases() -> Vec<Case> {
             tcp_data((BACKEND, 8080), (NODE_IP, 62001), b"ok"),
             TC_ACT_OK,
             Expect::Translated(tcp_data((BACKEND, 8080), (EXTERNAL_3, 62001), b"ok")),
-            &[Counter::Reply],
+            // The server's ACK confirms the masqueraded flow: its three entries.
+            &[Counter::Reply, Counter::CtPromoted, Counter::CtPromoted, Counter::CtPromoted],
         )
         .leaves_mark(REVERSE_NAT_MARK),
     ]

@@ -3,10 +3,12 @@
 //!
 //! One module per family: `micro` (BPF_PROG_TEST_RUN), `traffic` (real
 //! traffic in namespaces, with the kube-proxy rule sets and no proxy beside
-//! it), `control` (sync time, change latency, memory); `report` writes the
-//! page and `plot` the figures.
+//! it), `control` (sync time, change latency, memory), `flood` (spoofed SYN
+//! floods against established flows, beside kube-proxy's nftables rules);
+//! `report` writes the page and `plot` the figures.
 
 mod control;
+mod flood;
 mod micro;
 mod plot;
 mod report;
@@ -22,6 +24,7 @@ pub enum Family {
     Micro,
     Traffic,
     Control,
+    Flood,
 }
 
 #[derive(Args, Debug)]
@@ -43,6 +46,7 @@ pub struct Measured {
     pub micro: Option<micro::Results>,
     pub traffic: Option<traffic::Results>,
     pub control: Option<control::Results>,
+    pub flood: Option<flood::Results>,
     pub command: String,
     pub wall: Duration,
 }
@@ -53,7 +57,7 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
     let wants = |f: Family| opts.only.is_empty() || opts.only.contains(&f);
     // The micro-benchmark runs the BPF object xtask embeds; only the other
     // families start the agent, so only they need its release build.
-    if wants(Family::Traffic) || wants(Family::Control) {
+    if wants(Family::Traffic) || wants(Family::Control) || wants(Family::Flood) {
         let bin = crate::cargo::build_agent(true)?;
         // The tests' helpers start the agent named by this variable; set
         // before any thread exists.
@@ -84,6 +88,15 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
     if wants(Family::Control) {
         eprintln!("==> control plane");
         m.control = Some(control::run(work.path(), if opts.quick { 10 } else { 50 })?);
+    }
+    if wants(Family::Flood) {
+        eprintln!("==> SYN flood");
+        let (window, rates): (_, &[u32]) = if opts.quick {
+            (Duration::from_secs(1), &[10_000, 40_000])
+        } else {
+            (Duration::from_secs(2), &[10_000, 20_000, 40_000, 80_000, 160_000, 320_000])
+        };
+        m.flood = Some(flood::run(work.path(), window, rates)?);
     }
     m.wall = started.elapsed();
     let out = crate::cargo::workspace_root().join(&opts.out);

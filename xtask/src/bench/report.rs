@@ -10,6 +10,7 @@ use proxy_tests::bench::load::Mode;
 use super::{
     Measured,
     control::{self, ChangeSource},
+    flood,
     micro::{self, Flow},
     plot::{self, Line, Panel, si},
     traffic::{self, Kind, Peer},
@@ -43,6 +44,11 @@ pub fn write(out: &Path, m: &Measured) -> Result<()> {
         control_section(&mut md, r, &figures)?;
     } else {
         let _ = writeln!(md, "## Control plane\n\nNot run in this invocation (`./x bench --only control`).\n");
+    }
+    if let Some(r) = &m.flood {
+        flood_section(&mut md, r);
+    } else {
+        let _ = writeln!(md, "## SYN flood\n\nNot run in this invocation (`./x bench --only flood`).\n");
     }
     not_measured(&mut md);
     let path = out.join("benchmarks.md");
@@ -686,6 +692,34 @@ fn control_section(md: &mut String, r: &control::Results, figures: &Path) -> Res
     let _ = writeln!(md, "![cold sync time against services](bench/sync.svg)\n");
     let _ = writeln!(md, "Figures: `./x bench --only control`\n");
     Ok(())
+}
+
+fn flood_section(md: &mut String, r: &flood::Results) {
+    let _ = writeln!(
+        md,
+        "## SYN flood\n\n\
+         Spoofed SYNs at a NodePort whose backend answers them, at rising rates, one {:.0} s window each, \
+         while a busy TCP stream, a steady UDP flow and {} idle TCP connections go through the same \
+         NodePort from the same host (`xtask/src/bench/flood.rs`). A rate is held when none of those flows \
+         lost a packet; the ramp stops at the first rate not held. Sender, proxy and backend share the two \
+         cores, so the highest rates measure CPU as much as conntrack.\n",
+        r.window.as_secs_f64(),
+        flood::IDLE
+    );
+    let _ = writeln!(md, "| peer | SYN/s asked | SYN/s sent | established flows |\n|---|---:|---:|---|");
+    for row in &r.rows {
+        for s in &row.steps {
+            let verdict = if s.held { "held".to_string() } else { format!("lost: {}", s.broke) };
+            let _ = writeln!(md, "| {} | {} | {:.0} | {verdict} |", row.peer.label(), s.rate, s.sent_rate);
+        }
+    }
+    let absorbed = |i: usize| r.rows.get(i).and_then(flood::Row::absorbed);
+    let _ = writeln!(
+        md,
+        "\nAbsorbed before an established flow lost a packet: ebpf-proxy {}, nftables {}.\n",
+        absorbed(0).map_or("none of the rates".into(), |v| format!("{v:.0} SYN/s")),
+        absorbed(1).map_or("none of the rates".into(), |v| format!("{v:.0} SYN/s")),
+    );
 }
 
 fn not_measured(md: &mut String) {

@@ -28,12 +28,13 @@ use proxy_tests::{
     },
     bpffs::Bpffs,
     cgroup::Cgroup,
+    netns::Netns,
     topology::{External, Node, Pod},
 };
 
 pub const SCALES: [usize; 2] = [1, 10_000];
 const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 2);
-const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 2);
+pub(super) const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 2);
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
 /// Given to the agent as to the rule sets: pod sources are not masqueraded.
 const AGENT_FLAGS: [&str; 2] = ["--cluster-cidr", rules::CLUSTER_CIDR];
@@ -211,54 +212,64 @@ struct Bench {
 
 impl Bench {
     fn new() -> Result<Bench> {
-        let mut node = Node::new("bench")?;
+        let (mut node, backend, external) = probe_topology("bench")?;
         let client = node.add_pod("client", CLIENT_IP)?;
         let endpoints = proxy_tests::bench::services::probe_endpoints();
-        let backend = node.add_pod("backend", endpoints[0])?;
-        // The other endpoint addresses on the same pod, routed to its veth.
-        for ip in &endpoints[1..] {
-            backend.ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
-            node.ns.ip(&["route", "add", &format!("{ip}/32"), "dev", &backend.host_if])?;
-        }
-        // Pods are reachable from outside only for the no-proxy ceiling.
-        let external = node.add_external("external", NODE_IP, &[EXTERNAL_IP], &["10.244.0.0/16"])?;
         let server = Server::start(&backend.ns, TCP_TARGET, SERVER_THREADS, &endpoints, UDP_TARGET)?;
         Ok(Bench { server, client, external, _backend: backend, node })
     }
 
-    /// Puts `peer` in place; for ebpf-proxy, the agent, its bpffs and the
-    /// cgroup for its socket hooks, kept while it is measured (rules go with
-    /// the node namespace).
     fn program(&self, peer: Peer, manifests: &Path, ipt: &Path, nft: &Path) -> Result<Option<(Agent, Bpffs, Cgroup)>> {
-        let ns = &self.node.ns;
-        match peer {
-            Peer::EbpfProxy => {
-                let bpffs = Bpffs::new("bench-traffic")?;
-                // The socket hooks go on an empty cgroup of their own: the
-                // load generator and every other process on the machine stay
-                // outside them, so all traffic here takes the TC path.
-                let cgroup = Cgroup::new("bench-traffic")?;
-                let mut flags = AGENT_FLAGS.to_vec();
-                let cg = cgroup.path().to_string_lossy().into_owned();
-                flags.extend(["--cgroup-root", &cg]);
-                let mut agent = Agent::start(ns, manifests, &bpffs.path().join("ebpf-proxy"), &flags)?;
-                agent.wait_healthy(ns, Duration::from_secs(300))?;
-                Ok(Some((agent, bpffs, cgroup)))
-            }
-            Peer::Nftables => {
-                feed(ns.command("nft").args(["-f", "-"]), nft)?;
-                Ok(None)
-            }
-            Peer::IptablesNft => {
-                feed(ns.command("iptables-nft-restore").arg("-w"), ipt)?;
-                Ok(None)
-            }
-            Peer::IptablesLegacy => {
-                feed(ns.command("iptables-legacy-restore").arg("-w"), ipt)?;
-                Ok(None)
-            }
-            Peer::NoProxy => Ok(None),
+        program(&self.node.ns, peer, manifests, ipt, nft)
+    }
+}
+
+/// A node with the probe Service's backend pod (every endpoint address on
+/// it, routed to its veth) and an external host on the node's LAN.
+pub(super) fn probe_topology(label: &str) -> Result<(Node, Pod, External)> {
+    let mut node = Node::new(label)?;
+    let endpoints = proxy_tests::bench::services::probe_endpoints();
+    let backend = node.add_pod("backend", endpoints[0])?;
+    for ip in &endpoints[1..] {
+        backend.ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+        node.ns.ip(&["route", "add", &format!("{ip}/32"), "dev", &backend.host_if])?;
+    }
+    // Pods are reachable from outside only for the no-proxy ceiling.
+    let external = node.add_external("external", NODE_IP, &[EXTERNAL_IP], &["10.244.0.0/16"])?;
+    Ok((node, backend, external))
+}
+
+/// Puts `peer` in place in the node namespace `ns`; for ebpf-proxy, the
+/// agent, its bpffs and the cgroup for its socket hooks, kept while it is
+/// measured (rules go with the node namespace).
+pub(super) fn program(ns: &Netns, peer: Peer, manifests: &Path, ipt: &Path, nft: &Path) -> Result<Option<(Agent, Bpffs, Cgroup)>> {
+    match peer {
+        Peer::EbpfProxy => {
+            let bpffs = Bpffs::new("bench-traffic")?;
+            // The socket hooks go on an empty cgroup of their own: the
+            // load generator and every other process on the machine stay
+            // outside them, so all traffic here takes the TC path.
+            let cgroup = Cgroup::new("bench-traffic")?;
+            let mut flags = AGENT_FLAGS.to_vec();
+            let cg = cgroup.path().to_string_lossy().into_owned();
+            flags.extend(["--cgroup-root", &cg]);
+            let mut agent = Agent::start(ns, manifests, &bpffs.path().join("ebpf-proxy"), &flags)?;
+            agent.wait_healthy(ns, Duration::from_secs(300))?;
+            Ok(Some((agent, bpffs, cgroup)))
         }
+        Peer::Nftables => {
+            feed(ns.command("nft").args(["-f", "-"]), nft)?;
+            Ok(None)
+        }
+        Peer::IptablesNft => {
+            feed(ns.command("iptables-nft-restore").arg("-w"), ipt)?;
+            Ok(None)
+        }
+        Peer::IptablesLegacy => {
+            feed(ns.command("iptables-legacy-restore").arg("-w"), ipt)?;
+            Ok(None)
+        }
+        Peer::NoProxy => Ok(None),
     }
 }
 
