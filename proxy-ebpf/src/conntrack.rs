@@ -136,15 +136,18 @@ impl Confirming {
         promote(&self.key);
         self.set_key(self.backend, self.backend_port, self.client, self.client_port);
         promote(&self.key);
-        // Masqueraded: the choice (keyed client -> backend) and the reply
-        // entry of the SNAT tuple it names.
+        // Masqueraded: the choice (keyed client -> backend), and the reply
+        // entry of the SNAT tuple it names (also when the choice was
+        // confirmed before and only its port claimed again).
         self.set_key(self.client, self.client_port, self.backend, self.backend_port);
-        let Some(choice) = (unsafe { SNAT_UNCONFIRMED.get(&self.key) }) else { return };
+        if let Some(pending) = unsafe { SNAT_UNCONFIRMED.get(&self.key) } {
+            if SNAT.insert(&self.key, pending, BPF_ANY as u64).is_ok() {
+                let _ = SNAT_UNCONFIRMED.remove(&self.key);
+            }
+        }
+        let Some(choice) = snat_choice(&self.key) else { return };
         self.snat_reply =
             CtKey { src: self.backend, dst: choice.addr, sport: self.backend_port, dport: choice.port, ..self.key };
-        if SNAT.insert(&self.key, choice, BPF_ANY as u64).is_ok() {
-            let _ = SNAT_UNCONFIRMED.remove(&self.key);
-        }
         promote(&self.snat_reply);
     }
 

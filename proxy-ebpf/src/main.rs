@@ -44,10 +44,10 @@ mod program {
     };
     use aya_ebpf::{bindings::BPF_F_INGRESS, helpers::bpf_redirect};
     use proxy_common::{
-        CT_CONFIRM_ON_REPLY, CT_LOOPBACK, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_PENDING, CT_REPLY, Counter, IPPROTO_TCP, IPV6_PROG_EGRESS,
-        IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, LOOPBACK_IFINDEX, MASQUERADE_MARK, NODE_PROG_EGRESS,
-        NODE_PROG_FLOW, NODE_PROG_INGRESS_REPLY, NODE6_PROG_EGRESS, NODE6_PROG_FLOW, NODE6_PROG_INGRESS_REPLY,
-        REJECT_PROG_V4, REJECT_PROG_V6, REVERSE_NAT_MARK, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
+        CT_CONFIRM_ON_REPLY, CT_LOOPBACK, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_PENDING, CT_REPLY, Counter,
+        IPPROTO_TCP, IPV6_PROG_EGRESS, IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, LOOPBACK_IFINDEX,
+        MASQUERADE_MARK, NODE_PROG_EGRESS, NODE_PROG_FLOW, NODE_PROG_INGRESS_REPLY, NODE6_PROG_EGRESS, NODE6_PROG_FLOW,
+        NODE6_PROG_INGRESS_REPLY, REJECT_PROG_V4, REJECT_PROG_V6, REVERSE_NAT_MARK, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
         SVC_SOURCE_RANGES, reject_limit::RejectBudget,
     };
 
@@ -191,9 +191,9 @@ mod program {
     /// and written into the packet. `NODE`: a node socket's packet met at
     /// egress (in-cluster scope, as kube-proxy treats the node; always
     /// masqueraded, as its OUTPUT chain marks node traffic; a REJECT goes
-    /// back into the node's own stack).
+    /// back into the node's own stack). `known`: the flow has an entry,
+    /// whose backend went away.
     #[inline(always)]
-    /// `known`: the flow has an entry, whose backend went away.
     fn new_flow<const TRACE: bool, const V6: bool, const NODE: bool>(
         ctx: &TcContext,
         pkt: &parse::Packet,

@@ -12,8 +12,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    Addr, CT_CLOSING, CT_CONFIRM_ON_REPLY, CT_REPLY, Counter, CtEntry, CtKey, DEFAULT_EPHEMERAL_PORTS, DEFAULT_SNAT_PORTS, IPPROTO_TCP,
-    SNAT_ADDR_IPV6, SnatEntry, TCP_SNAT_PORT_LOW,
+    Addr, CT_CLOSING, CT_CONFIRM_ON_REPLY, CT_REPLY, Counter, CtEntry, CtKey, DEFAULT_EPHEMERAL_PORTS, DEFAULT_SNAT_PORTS,
+    IPPROTO_TCP, SNAT_ADDR_IPV6, SnatEntry, TCP_SNAT_PORT_LOW,
 };
 
 use crate::{

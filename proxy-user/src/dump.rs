@@ -56,8 +56,9 @@ pub struct BackendRow {
 #[derive(Debug, Serialize)]
 pub struct ConntrackRow {
     pub direction: &'static str,
-    /// `confirmed` once the flow saw a reply; `unconfirmed` entries lapse
-    /// after 30 s idle and give up their masquerade port.
+    /// `confirmed` once the flow completed its TCP handshake or, for UDP and
+    /// SCTP, was answered; `unconfirmed` entries live in the table a flood
+    /// turns over, and lapse after 30 s idle, giving up their masquerade port.
     pub state: &'static str,
     pub protocol: &'static str,
     pub source: String,
@@ -274,9 +275,8 @@ pub fn print(what: crate::cli::DumpWhat, output: Output, root: &Path) -> Result<
         (DumpWhat::Conntrack, Output::Table) => {
             let rows = conntrack(&maps)?;
             let summary = masquerade_summary(&rows, &maps.read_counters()?);
-            let t = table(
-            &["SERVICE", "DIR", "STATE", "PROTO", "SOURCE", "DESTINATION", "TRANSLATED TO", "MASQ", "AGE", "IDLE"],
-            rows.into_iter().map(|r| {
+            let header = ["SERVICE", "DIR", "STATE", "PROTO", "SOURCE", "DESTINATION", "TRANSLATED TO", "MASQ", "AGE", "IDLE"];
+            let t = table(&header, rows.into_iter().map(|r| {
                 let translated = match &r.client {
                     Some(client) => format!("{}\nto client {client}", r.translated_to),
                     None => r.translated_to,
@@ -293,8 +293,7 @@ pub fn print(what: crate::cli::DumpWhat, output: Output, root: &Path) -> Result<
                     format!("{:.1}s", r.age_seconds),
                     format!("{:.1}s", r.idle_seconds),
                 ]
-            }),
-            );
+            }));
             format!("{t}\n{summary}")
         }
     };

@@ -157,7 +157,12 @@ pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
 /// As `load`, with the source ports masquerade may use (see snat_ports),
 /// the conntrack tables' size (kept as pinned where they are) and the
 /// kernel's optional features.
-pub fn load_with(root: &Path, ports: &SnatPorts, conntrack: &ConntrackSize, features: &Features) -> Result<(Ebpf, Maps)> {
+pub fn load_with(
+    root: &Path,
+    ports: &SnatPorts,
+    conntrack: &ConntrackSize,
+    features: &Features,
+) -> Result<(Ebpf, Maps)> {
     ensure_bpffs(root)?;
     let bounds = |r: &RangeInclusive<u16>| (u32::from(*r.start()), u32::from(*r.end()));
     let (min, max) = bounds(&ports.masquerade);

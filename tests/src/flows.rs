@@ -7,7 +7,7 @@
 use std::{
     collections::BTreeSet,
     io::{Read, Write},
-    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -34,11 +34,16 @@ pub struct RawEcho {
 
 impl RawEcho {
     pub fn start(ns: &Netns, tcp_port: u16, udp_port: u16) -> Result<RawEcho> {
+        Self::start_on(ns, tcp_port, udp_port, &[Ipv4Addr::UNSPECIFIED])
+    }
+
+    /// As `start`, with a UDP socket bound to each of `udp_addrs`: a pod
+    /// with several addresses answers each datagram from the address it was
+    /// sent to (one bound to 0.0.0.0 would answer from its primary one).
+    pub fn start_on(ns: &Netns, tcp_port: u16, udp_port: u16, udp_addrs: &[Ipv4Addr]) -> Result<RawEcho> {
         let stop = Arc::new(AtomicBool::new(false));
         let tcp = ns.run(move || TcpListener::bind(("0.0.0.0", tcp_port)))??;
-        let udp = ns.run(move || UdpSocket::bind(("0.0.0.0", udp_port)))??;
         tcp.set_nonblocking(true)?;
-        udp.set_read_timeout(Some(POLL))?;
         let s = stop.clone();
         let tcp_thread = std::thread::spawn(move || {
             let mut conns = Vec::new();
@@ -53,16 +58,21 @@ impl RawEcho {
             }
             conns.into_iter().for_each(|c| drop(c.join()));
         });
-        let s = stop.clone();
-        let udp_thread = std::thread::spawn(move || {
-            let mut buf = [0u8; 64];
-            while !s.load(Ordering::Relaxed) {
-                if let Ok((n, peer)) = udp.recv_from(&mut buf) {
-                    let _ = udp.send_to(&buf[..n], peer);
+        let mut threads = vec![tcp_thread];
+        for &addr in udp_addrs {
+            let udp = ns.run(move || UdpSocket::bind((addr, udp_port)))??;
+            udp.set_read_timeout(Some(POLL))?;
+            let s = stop.clone();
+            threads.push(std::thread::spawn(move || {
+                let mut buf = [0u8; 64];
+                while !s.load(Ordering::Relaxed) {
+                    if let Ok((n, peer)) = udp.recv_from(&mut buf) {
+                        let _ = udp.send_to(&buf[..n], peer);
+                    }
                 }
-            }
-        });
-        Ok(RawEcho { stop, threads: vec![tcp_thread, udp_thread] })
+            }));
+        }
+        Ok(RawEcho { stop, threads })
     }
 }
 
@@ -211,19 +221,28 @@ impl SteadyFlows {
     /// Waits until both flows made `n` more exchanges than `since`, or fails
     /// on the first error or when they stall.
     pub fn wait_progress(&self, since: Progress, n: u64) -> Result<Progress> {
+        // Each flow must move on its own: UDP answers coming in do not hide
+        // a stalled TCP stream, nor the reverse.
         let mut last = self.progress();
-        let mut last_change = Instant::now();
+        let (mut tcp_moved, mut udp_moved) = (Instant::now(), Instant::now());
         loop {
             let errors = self.errors();
             anyhow::ensure!(errors.is_empty(), "flows broke: {errors:?}");
             let p = self.progress();
-            if p.tcp_round_trips >= since.tcp_round_trips + n && p.udp_received >= since.udp_received + n {
+            let tcp_done = p.tcp_round_trips >= since.tcp_round_trips + n;
+            let udp_done = p.udp_received >= since.udp_received + n;
+            if tcp_done && udp_done {
                 return Ok(p);
             }
-            if p != last {
-                (last, last_change) = (p, Instant::now());
+            if p.tcp_round_trips != last.tcp_round_trips {
+                tcp_moved = Instant::now();
             }
-            anyhow::ensure!(last_change.elapsed() < STALL, "flows stalled at {p:?}");
+            if p.udp_received != last.udp_received {
+                udp_moved = Instant::now();
+            }
+            last = p;
+            anyhow::ensure!(tcp_done || tcp_moved.elapsed() < STALL, "TCP stream stalled at {p:?}");
+            anyhow::ensure!(udp_done || udp_moved.elapsed() < STALL, "UDP flow stalled at {p:?}");
             std::thread::sleep(POLL);
         }
     }

@@ -260,6 +260,8 @@ fn dump_shows_names_states_and_flows_with_the_agent_running_and_stopped() -> Res
         for r in [original, reply] {
             let (age, idle) = (r["age_seconds"].as_f64().context("age")?, r["idle_seconds"].as_f64().context("idle")?);
             assert!(age >= 0.0 && idle >= 0.0 && idle <= age, "age {age}, idle {idle}: {r}");
+            // Answered: out of the table a flood of new flows turns over.
+            assert_eq!(r["state"], "confirmed", "{r}");
         }
     }
     for r in rows.iter().filter(|r| r["service"] == "demo/web:http" || r["service"] == "demo/web:dns") {
@@ -290,9 +292,11 @@ fn dump_shows_names_states_and_flows_with_the_agent_running_and_stopped() -> Res
     assert_eq!(reply["translated_to"], format!("{NODE_IP}:30080"), "{reply}");
 
     let table = dump_ok(&["conntrack"], &root)?;
-    for cell in ["AGE", "IDLE", "MASQ", "demo/web:http", "demo/web:dns", "original", "reply", &format!("{CLIENT}:"), "to client", "yes"] {
+    for cell in ["AGE", "IDLE", "MASQ", "STATE", "confirmed", "demo/web:http", "demo/web:dns", "original", "reply", &format!("{CLIENT}:"), "to client", "yes"] {
         assert!(table.contains(cell), "no `{cell}` in the conntrack table:\n{table}");
     }
+    // Masquerade's ports: the NodePort flow's.
+    assert!(table.contains("masquerade ports held: 1 by confirmed flows, 0 by unconfirmed ones; out of ports: 0 shared, 0 failed"), "{table}");
 
     // The agent stopped: the pins still answer, with the same content.
     let conntrack_before = rows.len();

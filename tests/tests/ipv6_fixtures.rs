@@ -90,11 +90,11 @@ fn translation_cases() -> Vec<Case> {
             Counter::Established,
         ),
         Case::new(
-            "TCP reply [fd00:10:244::11]:8080 -> client: recognised at ingress, marked for egress",
+            "TCP reply [fd00:10:244::11]:8080 -> client: recognised at ingress, marked for egress; the server's ACK confirms the flow",
             tcp_data(backend_http, client, reply),
             TC_ACT_OK,
             Expect::Unchanged,
-            &[Counter::Reply],
+            &[Counter::Reply, Counter::CtPromoted, Counter::CtPromoted],
         )
         .leaves_mark(REVERSE_NAT_MARK),
         Case::new(
@@ -264,11 +264,11 @@ fn masquerade_cases() -> Vec<Case> {
         .at_egress(MASQUERADE_MARK)
         .leaves_mark(0),
         Case::new(
-            "reply [fd00:10:244::11]:8080 -> [2001:db8::1]:62000: at ingress, back to the client",
+            "reply [fd00:10:244::11]:8080 -> [2001:db8::1]:62000: at ingress, back to the client; its three entries confirmed",
             tcp_data(backend, node, b"ok"),
             TC_ACT_OK,
             Expect::Translated(tcp_data(backend, client, b"ok")),
-            &[Counter::Reply],
+            &[Counter::Reply, Counter::CtPromoted, Counter::CtPromoted, Counter::CtPromoted],
         )
         .leaves_mark(REVERSE_NAT_MARK),
         Case::new(

@@ -16,16 +16,13 @@ use std::{
 
 use anyhow::Result;
 use proxy_tests::{
-    bench::{
-        rules,
-        services::{ServiceSet, TCP_NODE_PORT, TCP_TARGET, UDP_NODE_PORT, UDP_TARGET},
-    },
+    bench::services::{ServiceSet, TCP_NODE_PORT, TCP_TARGET, UDP_NODE_PORT, UDP_TARGET},
     flood::spoofed_syns,
     flows::{RawEcho, SteadyFlows, echo_round_trip},
     netns::Netns,
 };
 
-use super::traffic::{NODE_IP, Peer, probe_topology, program};
+use super::traffic::{NODE_IP, Peer, PeerFiles, probe_topology, program};
 
 pub const PEERS: [Peer; 2] = [Peer::EbpfProxy, Peer::Nftables];
 /// Connections idle through each window.
@@ -58,18 +55,12 @@ pub struct Results {
 }
 
 pub fn run(work: &Path, window: Duration, rates: &[u32]) -> Result<Results> {
-    let set = ServiceSet::new(1);
-    let dir = work.join("flood");
-    let manifests = dir.join("manifests");
-    set.write_manifests(&manifests, 1000)?;
-    let ipt = dir.join("iptables.rules");
-    std::fs::write(&ipt, rules::iptables_restore(&set))?;
-    let nft = dir.join("kube-proxy.nft");
-    std::fs::write(&nft, rules::nftables_script(&set))?;
+    let PeerFiles { manifests, ipt, nft } = PeerFiles::write(&ServiceSet::new(1), &work.join("flood"))?;
     let mut rows = Vec::new();
     for peer in PEERS {
         let (node, backend, external) = probe_topology("flood")?;
-        let _echo = RawEcho::start(&backend.ns, TCP_TARGET, UDP_TARGET)?;
+        let endpoints = proxy_tests::bench::services::probe_endpoints();
+        let _echo = RawEcho::start_on(&backend.ns, TCP_TARGET, UDP_TARGET, &endpoints)?;
         let _proxy = program(&node.ns, peer, &manifests, &ipt, &nft)?;
         let mut steps = Vec::new();
         for &rate in rates {

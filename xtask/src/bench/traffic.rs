@@ -13,7 +13,7 @@
 use std::{
     io::Write as _,
     net::{Ipv4Addr, SocketAddr},
-    path::Path,
+    path::{Path, PathBuf},
     process::Stdio,
     time::{Duration, Instant},
 };
@@ -119,13 +119,7 @@ pub fn run(work: &Path, warmup: Duration, window: Duration, rounds: usize) -> Re
     let mut out = Results { warmup, window, rounds, client_threads: CLIENT_THREADS, ..Results::default() };
     for &scale in &SCALES {
         let set = ServiceSet::new(scale);
-        let dir = work.join(format!("traffic-{scale}"));
-        let manifests = dir.join("manifests");
-        set.write_manifests(&manifests, 1000)?;
-        let ipt = dir.join("iptables.rules");
-        std::fs::write(&ipt, rules::iptables_restore(&set))?;
-        let nft = dir.join("kube-proxy.nft");
-        std::fs::write(&nft, rules::nftables_script(&set))?;
+        let PeerFiles { manifests, ipt, nft } = PeerFiles::write(&set, &work.join(format!("traffic-{scale}")))?;
         // Every peer in place at once, each in its own namespaces.
         let mut benches = Vec::new();
         for peer in Peer::ALL {
@@ -198,6 +192,24 @@ pub fn run(work: &Path, warmup: Duration, window: Duration, rounds: usize) -> Re
         }
     }
     Ok(out)
+}
+
+/// What programs each peer: the agent's manifests, kube-proxy's iptables
+/// and nftables rule sets, for one set of Services.
+pub(super) struct PeerFiles {
+    pub manifests: PathBuf,
+    pub ipt: PathBuf,
+    pub nft: PathBuf,
+}
+
+impl PeerFiles {
+    pub fn write(set: &ServiceSet, dir: &Path) -> Result<PeerFiles> {
+        let files = PeerFiles { manifests: dir.join("manifests"), ipt: dir.join("iptables.rules"), nft: dir.join("kube-proxy.nft") };
+        set.write_manifests(&files.manifests, 1000)?;
+        std::fs::write(&files.ipt, rules::iptables_restore(set))?;
+        std::fs::write(&files.nft, rules::nftables_script(set))?;
+        Ok(files)
+    }
 }
 
 /// The topology of one measurement.
