@@ -47,6 +47,20 @@ impl Row {
     pub fn absorbed(&self) -> Option<f64> {
         self.steps.iter().filter(|s| s.held).map(|s| s.sent_rate).reduce(f64::max)
     }
+
+    /// Every rate held: the figure is the sender's ceiling, not the peer's.
+    pub fn never_broke(&self) -> bool {
+        self.steps.iter().all(|s| s.held)
+    }
+
+    /// The absorbed rate in words.
+    pub fn shown(&self) -> String {
+        match self.absorbed() {
+            None => "none of the rates".to_string(),
+            Some(r) if self.never_broke() => format!("{r:.0} SYN/s or more (every rate held: the sender's ceiling)"),
+            Some(r) => format!("{r:.0} SYN/s"),
+        }
+    }
 }
 
 pub struct Results {
@@ -83,18 +97,14 @@ pub fn run(work: &Path, window: Duration, rates: &[u32]) -> Result<Results> {
     let (ours, theirs) = (rows[0].absorbed(), rows[1].absorbed());
     eprintln!(
         "    flood: absorbed before an established flow lost a packet: ebpf-proxy {}, nftables {}{}",
-        shown(ours),
-        shown(theirs),
+        rows[0].shown(),
+        rows[1].shown(),
         match (ours, theirs) {
             (Some(a), Some(b)) if b > 0.0 => format!(" (ratio {:.2})", a / b),
             _ => String::new(),
         }
     );
     Ok(Results { window, rows })
-}
-
-fn shown(rate: Option<f64>) -> String {
-    rate.map_or("none of the rates".to_string(), |r| format!("{r:.0} SYN/s"))
 }
 
 fn step(client: &Netns, rate: u32, window: Duration) -> Result<Step> {

@@ -713,12 +713,12 @@ fn flood_section(md: &mut String, r: &flood::Results) {
             let _ = writeln!(md, "| {} | {} | {:.0} | {verdict} |", row.peer.label(), s.rate, s.sent_rate);
         }
     }
-    let absorbed = |i: usize| r.rows.get(i).and_then(flood::Row::absorbed);
+    let shown = |i: usize| r.rows.get(i).map_or("not measured".to_string(), flood::Row::shown);
     let _ = writeln!(
         md,
         "\nAbsorbed before an established flow lost a packet: ebpf-proxy {}, nftables {}.\n",
-        absorbed(0).map_or("none of the rates".into(), |v| format!("{v:.0} SYN/s")),
-        absorbed(1).map_or("none of the rates".into(), |v| format!("{v:.0} SYN/s")),
+        shown(0),
+        shown(1),
     );
 }
 
