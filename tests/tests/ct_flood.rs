@@ -1,5 +1,5 @@
 //! Conntrack under a flood. A node whose conntrack holds 4,096 entries
-//! (`--conntrack-min 4096 --conntrack-max-per-core 0`) takes 20,000 SYNs
+//! (`--conntrack-min 4096 --conntrack-max-per-core 0`) takes 20,480 SYNs
 //! from spoofed sources at a NodePort whose two backends answer them. Live
 //! flows through the same NodePort — a busy TCP stream, a steady UDP flow,
 //! and TCP connections that sit idle through the flood — lose nothing: the
