@@ -65,24 +65,30 @@ pub const DEFAULT_EPHEMERAL_PORTS: (u16, u16) = (32768, 60999);
 /// out, as netfilter keeps them for sources that had one).
 pub const TCP_SNAT_PORT_LOW: u16 = 1024;
 
+/// The service maps' size this build's object declares; the agent sizes
+/// them at load (`--service-map-entries`, see proxy-user's `map_sizes`):
+/// FRONTENDS, BACKEND_SLOTS and BACKENDS get that many entries,
+/// SERVICE_NAMES and SOURCE_RANGES a share of it.
 pub const MAX_FRONTENDS: u32 = 1_048_576;
-pub const MAX_BACKEND_SLOTS: u32 = 1_048_576;
-pub const MAX_BACKENDS: u32 = 1_048_576;
+pub const MAX_BACKEND_SLOTS: u32 = MAX_FRONTENDS;
+pub const MAX_BACKENDS: u32 = MAX_FRONTENDS;
+pub const SERVICE_NAMES_SHARE: u32 = 2;
+pub const SOURCE_RANGES_SHARE: u32 = 16;
 /// The conntrack size this build's object declares: kube-proxy's
 /// `--conntrack-min` default. The agent sizes the conntrack maps at load
-/// (`--conntrack-max-per-core`, `--conntrack-min`); see `ConntrackSize`.
+/// (`--conntrack-max-per-core`, `--conntrack-min`); see proxy-user's `map_sizes`.
 pub const MAX_CONNTRACK: u32 = 131_072;
 /// The unconfirmed tables hold this fraction of the conntrack size.
 pub const UNCONFIRMED_SHARE: u32 = 4;
 pub const MAX_CT_UNCONFIRMED: u32 = MAX_CONNTRACK / UNCONFIRMED_SHARE;
-pub const MAX_SERVICE_NAMES: u32 = 524_288;
+pub const MAX_SERVICE_NAMES: u32 = MAX_FRONTENDS / SERVICE_NAMES_SHARE;
 pub const MAX_SNAT: u32 = MAX_CONNTRACK;
 pub const MAX_SNAT_ADDRS: u32 = 1024;
 /// SNAT_ADDRS key bit for an IPv6 source: `ifindex | SNAT_ADDR_IPV6` holds
 /// the interface's IPv6 address, `SNAT_ADDR_IPV6` alone the default.
 pub const SNAT_ADDR_IPV6: u32 = 1 << 31;
 pub const MAX_CIDRS: u32 = 256;
-pub const MAX_SOURCE_RANGES: u32 = 65_536;
+pub const MAX_SOURCE_RANGES: u32 = MAX_FRONTENDS / SOURCE_RANGES_SHARE;
 pub const MAX_AFFINITY: u32 = 65_536;
 pub const MAX_SOCK_REVNAT: u32 = 65_536;
 

@@ -17,7 +17,7 @@ use crate::{
     attach::{self, Attacher},
     cgroup,
     cli::RunArgs,
-    conntrack_size::{self, ConntrackSize},
+    map_sizes::{self, ConntrackSize, MapSizes, ServiceMapSize},
     health::{self, Health},
     healthcheck::{self, HealthCheckServers},
     maps::{self, Maps},
@@ -52,19 +52,22 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let features = kernel::probe()?;
     let snat_ports = snat_ports::for_this_node()?;
-    let conntrack_size =
-        ConntrackSize::from_flags(args.conntrack_max_per_core, args.conntrack_min, conntrack_size::cpus())?;
-    let (mut ebpf, mut maps) = maps::load_with(&args.bpffs_root, &snat_ports, &conntrack_size, &features)?;
+    let sizes = MapSizes {
+        conntrack: ConntrackSize::from_flags(args.conntrack_max_per_core, args.conntrack_min, map_sizes::cpus())?,
+        services: ServiceMapSize::from_flag(args.service_map_entries)?,
+    };
+    let (mut ebpf, mut maps) = maps::load_with(&args.bpffs_root, &snat_ports, &sizes, &features)?;
     let held = maps.read_contents().context("read pinned maps")?;
     info!(
         bpffs_root = %args.bpffs_root.display(),
         frontends = held.frontends.len(),
         backends = held.backends.len(),
         masquerade_ports = ?snat_ports,
-        conntrack = ?conntrack_size,
+        conntrack = ?sizes.conntrack,
+        service_map_entries = maps.service_capacity[crate::capacity::ServiceMap::Frontends as usize],
         "dataplane loaded (pinned maps adopted)"
     );
-    let mut reconciler = Reconciler::adopt(held);
+    let mut reconciler = Reconciler::adopt(held).within(maps.service_capacity);
 
     // Every program through the verifier before any is attached: a kernel
     // that refuses one leaves the node as it was, never half-attached.

@@ -1,5 +1,5 @@
 //! Room in the service maps. Each map has a fixed capacity (`max_entries`,
-//! proxy-common's `MAX_*`), and the kernel refuses a new key once a map holds
+//! set when it is created: `--service-map-entries`), and the kernel refuses a new key once a map holds
 //! that many. Rather than let one oversized Service make every sync fail
 //! (and so stop all the others from being programmed), the model admits
 //! Services one at a time in a fixed order (`namespace/name`), counting the
@@ -55,8 +55,9 @@ impl ServiceMap {
         }
     }
 
-    /// Its `max_entries`.
-    pub fn capacity(self) -> u64 {
+    /// Its `max_entries` as this build's object declares it (the default
+    /// of `--service-map-entries`).
+    pub fn default_capacity(self) -> u64 {
         u64::from(match self {
             ServiceMap::Frontends => MAX_FRONTENDS,
             ServiceMap::Names => MAX_SERVICE_NAMES,
@@ -73,7 +74,7 @@ pub type Entries = [u64; 5];
 /// What the service maps hold now (the reconciler's mirror of them).
 pub trait Held {
     fn capacity(&self, map: ServiceMap) -> u64 {
-        map.capacity()
+        map.default_capacity()
     }
     /// Entries in each map.
     fn entries(&self) -> Entries;

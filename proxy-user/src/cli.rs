@@ -127,9 +127,15 @@ pub struct RunArgs {
     /// Conntrack entries per CPU, as kube-proxy's flag; the table holds this
     /// times the CPUs, at least --conntrack-min (0: --conntrack-min alone).
     /// Fixed when the maps are first pinned: see docs/operations.md.
-    #[arg(long, default_value_t = crate::conntrack_size::DEFAULT_MAX_PER_CORE, value_name = "N")]
+    #[arg(long, default_value_t = crate::map_sizes::DEFAULT_MAX_PER_CORE, value_name = "N")]
     pub conntrack_max_per_core: u32,
     /// The least conntrack entries, whatever the CPUs.
-    #[arg(long, default_value_t = crate::conntrack_size::DEFAULT_MIN, value_name = "N")]
+    #[arg(long, default_value_t = crate::map_sizes::DEFAULT_MIN, value_name = "N")]
     pub conntrack_min: u32,
+    /// Entries of the service maps FRONTENDS, BACKEND_SLOTS and BACKENDS
+    /// (SERVICE_NAMES gets half, SOURCE_RANGES a sixteenth). A Service that
+    /// does not fit is skipped, named and counted. Fixed when the maps are
+    /// first pinned: see docs/operations.md.
+    #[arg(long, default_value_t = crate::map_sizes::DEFAULT_SERVICE_MAP_ENTRIES, value_name = "N")]
+    pub service_map_entries: u32,
 }

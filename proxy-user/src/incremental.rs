@@ -740,7 +740,7 @@ mod tests {
 
     impl capacity::Held for Limited<'_> {
         fn capacity(&self, map: ServiceMap) -> u64 {
-            self.capacity.iter().find(|(m, _)| *m == map).map_or(map.capacity(), |(_, c)| *c)
+            self.capacity.iter().find(|(m, _)| *m == map).map_or(map.default_capacity(), |(_, c)| *c)
         }
         fn entries(&self) -> capacity::Entries {
             self.maps.entries()

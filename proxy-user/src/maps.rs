@@ -17,7 +17,8 @@ use ipnet::IpNet;
 use proxy_common::*;
 
 use crate::{
-    conntrack_size::ConntrackSize,
+    capacity::{Entries, ServiceMap},
+    map_sizes::MapSizes,
     kernel::Features,
     reconciler::{Contents, MapWriter},
     snat_ports::SnatPorts,
@@ -103,6 +104,20 @@ pub struct Maps {
     pub source_ranges: LpmTrie<MapData, SourceRangeData, u8>,
     /// sessionAffinity: the datapath writes it, the reconciler purges it.
     pub affinity: HashMap<MapData, AffinityKey, AffinityEntry>,
+    /// Each service map's `max_entries`, as created (`ServiceMap` order).
+    pub service_capacity: Entries,
+}
+
+/// The service maps' `max_entries` as the kernel holds them: this agent's
+/// `--service-map-entries`, or the size an earlier agent pinned.
+fn service_capacity(root: &Path) -> Result<Entries> {
+    let mut capacity = [0; ServiceMap::ALL.len()];
+    for map in ServiceMap::ALL {
+        let path = root.join(map.name());
+        let info = aya::maps::MapInfo::from_pin(&path).with_context(|| format!("{}", path.display()))?;
+        capacity[map as usize] = u64::from(info.max_entries());
+    }
+    Ok(capacity)
 }
 
 /// Fails with what to do when `root` is not on a bpffs; creates it only when
@@ -151,16 +166,16 @@ fn memlock_limit() -> Option<libc::rlim_t> {
 /// Loads the programs; maps already pinned under `root` are reused, so a
 /// restart keeps services, backends and conntrack.
 pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
-    load_with(root, &SnatPorts::default(), &ConntrackSize::default(), &crate::kernel::probe()?)
+    load_with(root, &SnatPorts::default(), &MapSizes::default(), &crate::kernel::probe()?)
 }
 
 /// As `load`, with the source ports masquerade may use (see snat_ports),
-/// the conntrack tables' size (kept as pinned where they are) and the
-/// kernel's optional features.
+/// the sized maps' sizes (kept as pinned where they are) and the kernel's
+/// optional features.
 pub fn load_with(
     root: &Path,
     ports: &SnatPorts,
-    conntrack: &ConntrackSize,
+    sizes: &MapSizes,
     features: &Features,
 ) -> Result<(Ebpf, Maps)> {
     ensure_bpffs(root)?;
@@ -170,7 +185,7 @@ pub fn load_with(
     let coarse_clock = u32::from(features.coarse_clock);
     let set_retval = u32::from(features.sock_set_retval);
     let mut loader = EbpfLoader::new();
-    for (name, entries) in conntrack.adopt_pinned(root) {
+    for (name, entries) in sizes.adopt_pinned(root) {
         loader.map_max_entries(name, entries);
     }
     let mut ebpf = loader
@@ -198,6 +213,7 @@ pub fn load_with(
         service_cidrs: take(MAP_SERVICE_CIDRS)?.try_into()?,
         source_ranges: take(MAP_SOURCE_RANGES)?.try_into()?,
         affinity: take(MAP_AFFINITY)?.try_into()?,
+        service_capacity: service_capacity(root)?,
     };
     // An agent stopped between a removal and its bump leaves flows that
     // would skip their check: every flow checks its backend once more.
@@ -230,6 +246,7 @@ impl Maps {
             service_cidrs: open_pin(root, MAP_SERVICE_CIDRS)?.try_into()?,
             source_ranges: open_pin(root, MAP_SOURCE_RANGES)?.try_into()?,
             affinity: open_pin(root, MAP_AFFINITY)?.try_into()?,
+            service_capacity: service_capacity(root)?,
         })
     }
 
@@ -299,7 +316,7 @@ impl Maps {
 
 impl MapWriter for Maps {
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<()> {
-        named(MAP_BACKENDS, MAX_BACKENDS, self.backends.insert(&id, backend, 0))
+        in_service_map(ServiceMap::Backends, self.service_capacity, self.backends.insert(&id, backend, 0))
     }
     /// Removes the backend, then bumps the backends epoch: the datapath
     /// skips checking an established flow's backend while the epoch is the
@@ -307,35 +324,35 @@ impl MapWriter for Maps {
     /// what makes each flow of this backend move to a live one on its next
     /// packet. The reconciler reuses an ID only after removing it.
     fn del_backend(&mut self, id: u32) -> Result<()> {
-        named(MAP_BACKENDS, MAX_BACKENDS, self.backends.remove(&id))?;
+        in_service_map(ServiceMap::Backends, self.service_capacity, self.backends.remove(&id))?;
         self.bump_backends_epoch()
     }
     fn put_slot(&mut self, key: &SlotKey, backend_id: u32) -> Result<()> {
-        named(MAP_BACKEND_SLOTS, MAX_BACKEND_SLOTS, self.slots.insert(key, &backend_id, 0))
+        in_service_map(ServiceMap::Slots, self.service_capacity, self.slots.insert(key, &backend_id, 0))
     }
     fn del_slot(&mut self, key: &SlotKey) -> Result<()> {
-        named(MAP_BACKEND_SLOTS, MAX_BACKEND_SLOTS, self.slots.remove(key))
+        in_service_map(ServiceMap::Slots, self.service_capacity, self.slots.remove(key))
     }
     fn put_frontend(&mut self, key: &FrontendKey, entry: &ServiceEntry) -> Result<()> {
-        named(MAP_FRONTENDS, MAX_FRONTENDS, self.frontends.insert(key, entry, 0))
+        in_service_map(ServiceMap::Frontends, self.service_capacity, self.frontends.insert(key, entry, 0))
     }
     fn del_frontend(&mut self, key: &FrontendKey) -> Result<()> {
-        named(MAP_FRONTENDS, MAX_FRONTENDS, self.frontends.remove(key))
+        in_service_map(ServiceMap::Frontends, self.service_capacity, self.frontends.remove(key))
     }
     fn put_name(&mut self, id: u32, name: &ServiceName) -> Result<()> {
-        named(MAP_SERVICE_NAMES, MAX_SERVICE_NAMES, self.names.insert(&id, name, 0))
+        in_service_map(ServiceMap::Names, self.service_capacity, self.names.insert(&id, name, 0))
     }
     fn del_name(&mut self, id: u32) -> Result<()> {
-        named(MAP_SERVICE_NAMES, MAX_SERVICE_NAMES, self.names.remove(&id))
+        in_service_map(ServiceMap::Names, self.service_capacity, self.names.remove(&id))
     }
     fn put_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()> {
         let (len, addr) = lpm_prefix(net);
         let key = Key::new(32 + len, SourceRangeData { service_id, addr });
-        named(MAP_SOURCE_RANGES, MAX_SOURCE_RANGES, self.source_ranges.insert(&key, &1, 0))
+        in_service_map(ServiceMap::SourceRanges, self.service_capacity, self.source_ranges.insert(&key, &1, 0))
     }
     fn del_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()> {
         let (len, addr) = lpm_prefix(net);
-        named(MAP_SOURCE_RANGES, MAX_SOURCE_RANGES, self.source_ranges.remove(&Key::new(32 + len, SourceRangeData { service_id, addr })))
+        in_service_map(ServiceMap::SourceRanges, self.service_capacity, self.source_ranges.remove(&Key::new(32 + len, SourceRangeData { service_id, addr })))
     }
     fn put_service_cidr(&mut self, net: &IpNet) -> Result<()> {
         let (len, addr) = lpm_prefix(net);
@@ -405,7 +422,7 @@ fn wait_for_running_programs() {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MapFull {
     pub map: &'static str,
-    pub capacity: u32,
+    pub capacity: u64,
 }
 
 impl std::fmt::Display for MapFull {
@@ -418,16 +435,21 @@ impl std::error::Error for MapFull {}
 
 /// A map operation's error, naming the map (and, when the map was full,
 /// as `MapFull`, which `full_map` finds again).
-fn named<T>(map: &'static str, capacity: u32, result: Result<T, MapError>) -> Result<T> {
+fn named<T>(map: &'static str, capacity: impl Into<u64>, result: Result<T, MapError>) -> Result<T> {
     result.map_err(|e| {
         let full = matches!(&e, MapError::SyscallError(aya::sys::SyscallError { io_error, .. })
             if matches!(io_error.raw_os_error(), Some(libc::ENOSPC | libc::E2BIG)));
         if full {
-            anyhow::Error::new(e).context(MapFull { map, capacity })
+            anyhow::Error::new(e).context(MapFull { map, capacity: capacity.into() })
         } else {
             anyhow::Error::new(e).context(format!("map {map}"))
         }
     })
+}
+
+/// `named` for a service map, with the capacity it was created with.
+fn in_service_map<T>(map: ServiceMap, capacity: Entries, result: Result<T, MapError>) -> Result<T> {
+    named(map.name(), capacity[map as usize], result)
 }
 
 /// The map a failed write found full, if that is why it failed.
@@ -482,7 +504,7 @@ mod tests {
     fn a_full_map_is_named_and_found_again_under_more_context() {
         for errno in [libc::ENOSPC, libc::E2BIG] {
             let e = named(MAP_SOURCE_RANGES, MAX_SOURCE_RANGES, refused(errno)).context("service ns/big: source range 10.0.0.0/24").unwrap_err();
-            assert_eq!(full_map(&e), Some(&MapFull { map: MAP_SOURCE_RANGES, capacity: MAX_SOURCE_RANGES }));
+            assert_eq!(full_map(&e), Some(&MapFull { map: MAP_SOURCE_RANGES, capacity: MAX_SOURCE_RANGES.into() }));
             let text = format!("{e:#}");
             assert!(text.starts_with("service ns/big: source range 10.0.0.0/24: map SOURCE_RANGES is full (capacity 65536 entries): "), "{text}");
         }

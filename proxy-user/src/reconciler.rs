@@ -96,6 +96,8 @@ pub struct Reconciler {
     /// A frontend with ClientIP affinity was in the maps since the last
     /// purge, so programs may be writing entries while it runs.
     affinity_served: bool,
+    /// Each service map's `max_entries` (`crate::capacity::ServiceMap` order).
+    capacity: crate::capacity::Entries,
 }
 
 impl Reconciler {
@@ -120,7 +122,15 @@ impl Reconciler {
             // out before the first purge (`sync` starts with it).
             affinity_purge_due: true,
             affinity_served: true,
+            capacity: crate::capacity::ServiceMap::ALL.map(crate::capacity::ServiceMap::default_capacity),
         }
+    }
+
+    /// Admits Services against these capacities (the maps' own, which
+    /// `--service-map-entries` or an older pin set) rather than the defaults.
+    pub fn within(mut self, capacity: crate::capacity::Entries) -> Self {
+        self.capacity = capacity;
+        self
     }
 
     pub fn held(&self) -> &Contents {
@@ -459,6 +469,9 @@ impl Reconciler {
 
 /// What the maps hold, for admitting Services (`capacity`).
 impl crate::capacity::Held for Reconciler {
+    fn capacity(&self, map: crate::capacity::ServiceMap) -> u64 {
+        self.capacity[map as usize]
+    }
     fn entries(&self) -> crate::capacity::Entries {
         let h = &self.held;
         [h.frontends.len(), h.names.len(), h.slots.len(), h.backends.len(), h.source_ranges.len()].map(|n| n as u64)

@@ -4,7 +4,10 @@
 //! left out whole, logged once naming it, the map and its capacity, and
 //! counted with reason `map_full`; the normal one answers through its
 //! ClusterIP, /healthz stays 200, a Service added later is served too, and
-//! the big one is programmed once it shrinks to fit.
+//! the big one is programmed once it shrinks to fit. And
+//! `--service-map-entries` sizes those maps: the same Service is refused
+//! by smaller ones, an agent restarted with other flags keeps the pinned
+//! size, and after `cleanup` the new size holds.
 
 use std::{
     net::{Ipv4Addr, SocketAddr},
@@ -14,7 +17,7 @@ use std::{
 use anyhow::{Context, Result};
 use proxy_common::{MAP_SOURCE_RANGES, MAX_SOURCE_RANGES};
 use proxy_tests::{
-    agent::{Agent, dumped_backends, healthz_status, wait_until},
+    agent::{Agent, agent_bin, dumped_backends, healthz_status, wait_until},
     bpffs::Bpffs,
     echo::{EchoServer, tcp_request},
     is_root,
@@ -52,6 +55,11 @@ fn get(m: &std::collections::BTreeMap<String, f64>, series: &str) -> Option<f64>
     m.get(series).copied()
 }
 
+/// The log lines that report `demo/big` skipped.
+fn skip_lines(logs: &str) -> Vec<String> {
+    logs.lines().filter(|l| l.contains("skipped service demo/big:")).map(str::to_string).collect()
+}
+
 #[test]
 fn a_service_too_big_for_a_map_is_skipped_and_everything_else_served() -> Result<()> {
     assert!(is_root(), "needs root (network namespaces and BPF)");
@@ -76,7 +84,6 @@ fn a_service_too_big_for_a_map_is_skipped_and_everything_else_served() -> Result
     assert_eq!(r.from, echo);
 
     // One line names the Service, the map and its capacity.
-    let skip_lines = |logs: &str| logs.lines().filter(|l| l.contains("skipped service demo/big:")).map(str::to_string).collect::<Vec<_>>();
     let lines = skip_lines(&agent.logs());
     assert_eq!(lines.len(), 1, "{}", agent.logs());
     let want = format!(
@@ -121,5 +128,68 @@ fn a_service_too_big_for_a_map_is_skipped_and_everything_else_served() -> Result
         assert_eq!(tcp_request(&client.ns, vip)?.from, vip);
     }
     assert_eq!(healthz_status(&node.ns, agent.healthz)?, Some(200));
+    Ok(())
+}
+
+#[test]
+fn service_map_entries_sizes_the_maps_and_the_pinned_size_stays_until_cleanup() -> Result<()> {
+    assert!(is_root(), "needs root (network namespaces and BPF)");
+    // 1024 entries: SOURCE_RANGES gets 64, fewer than one port of demo/big needs.
+    const SMALL: u32 = 1024;
+    let small_ranges = SMALL / proxy_common::SOURCE_RANGES_SHARE;
+    let mut node = Node::new("mapsz")?;
+    let client = node.add_pod("client", Ipv4Addr::new(10, 244, 0, 2))?;
+    let backend = node.add_pod("backend-1", Ipv4Addr::new(10, 244, 0, 11))?;
+    let _server = EchoServer::start(&backend.ns, &backend.name, TCP_TARGET)?;
+    let bpffs = Bpffs::new("mapsz")?;
+    let root = bpffs.path().join("agent");
+    let manifests = tempfile::tempdir()?;
+    std::fs::write(manifests.path().join("echo.yaml"), echo_service("demo", "echo", ECHO_IP, &[backend.ip]))?;
+    std::fs::write(manifests.path().join("big.yaml"), big(1, backend.ip))?;
+    let echo = SocketAddr::from((ECHO_IP, TCP_PORT));
+    let big_vip = SocketAddr::from((BIG_IP, 1000));
+    let refused = format!(
+        "skipped service demo/big: needs {RANGES} entries in map {MAP_SOURCE_RANGES}, which has no room for them \
+         (capacity {small_ranges} entries; map full)"
+    );
+    // Refused by the small maps, the rest served; what each map holds at most is exported.
+    let check_small = |agent: &mut Agent| -> Result<()> {
+        agent.wait_healthy(&node.ns, TIMEOUT)?;
+        assert_eq!(tcp_request(&client.ns, echo).with_context(|| agent.logs())?.from, echo);
+        wait_until("demo/big reported", TIMEOUT, || Ok(!skip_lines(&agent.logs()).is_empty()))?;
+        let lines = skip_lines(&agent.logs());
+        assert!(lines.len() == 1 && lines[0].contains(&refused), "{lines:?}");
+        let m = agent.scrape(&node.ns)?;
+        assert_eq!(get(&m, r#"ebpf_proxy_map_capacity{map="FRONTENDS"}"#), Some(f64::from(SMALL)));
+        assert_eq!(get(&m, r#"ebpf_proxy_map_capacity{map="SOURCE_RANGES"}"#), Some(f64::from(small_ranges)));
+        assert_eq!(get(&m, r#"ebpf_proxy_skipped_objects_total{kind="Service",reason="map_full"}"#), Some(1.0));
+        assert_eq!(get(&m, "ebpf_proxy_sync_failures_total"), Some(0.0), "admitted against the maps' real size");
+        Ok(())
+    };
+
+    let size = SMALL.to_string();
+    let mut agent = Agent::start(&node.ns, manifests.path(), &root, &["--service-map-entries", &size])?;
+    check_small(&mut agent)?;
+    agent.stop()?;
+
+    // Restarted with the default size: the pinned maps keep theirs, and it says so.
+    let mut agent = Agent::start(&node.ns, manifests.path(), &root, &[])?;
+    check_small(&mut agent)?;
+    let logs = agent.logs();
+    assert!(
+        logs.lines().any(|l| l.contains("keeping the pinned map's size") && l.contains(MAP_SOURCE_RANGES)),
+        "{logs}"
+    );
+    agent.stop()?;
+
+    // After cleanup the default size is created, and demo/big fits.
+    let out = node.ns.command(agent_bin().to_str().unwrap()).args(["cleanup", "--bpffs-root"]).arg(&root).output()?;
+    anyhow::ensure!(out.status.success(), "cleanup: {}", String::from_utf8_lossy(&out.stderr));
+    let mut agent = Agent::start(&node.ns, manifests.path(), &root, &[])?;
+    agent.wait_healthy(&node.ns, TIMEOUT)?;
+    wait_until("demo/big answering", TIMEOUT, || Ok(tcp_request(&client.ns, big_vip)?.backend == "backend-1")).with_context(|| agent.logs())?;
+    let m = agent.scrape(&node.ns)?;
+    assert_eq!(get(&m, r#"ebpf_proxy_map_capacity{map="SOURCE_RANGES"}"#), Some(f64::from(MAX_SOURCE_RANGES)));
+    assert!(skip_lines(&agent.logs()).is_empty(), "{}", agent.logs());
     Ok(())
 }

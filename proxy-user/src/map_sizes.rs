@@ -1,14 +1,24 @@
-//! The conntrack tables' sizes: kube-proxy's rule (`--conntrack-max-per-core`
-//! times the CPUs, at least `--conntrack-min`) for the confirmed tables, a
-//! quarter of that for the unconfirmed ones. The maps are LRU hashes, which
-//! the kernel preallocates, and pinned: a size is fixed when the maps are
-//! first created, and an agent started with other flags keeps the pinned
-//! size (resizing would forget every tracked connection) and says so.
+//! How many entries each sized BPF map gets.
+//! - The conntrack tables: kube-proxy's rule (`--conntrack-max-per-core`
+//!   times the CPUs, at least `--conntrack-min`) for the confirmed tables, a
+//!   quarter of that for the unconfirmed ones. They are LRU hashes, which
+//!   the kernel preallocates: the size is their memory.
+//! - The service maps: `--service-map-entries` for FRONTENDS, BACKEND_SLOTS
+//!   and BACKENDS, a share of it for SERVICE_NAMES and SOURCE_RANGES (the
+//!   part Cilium's `--bpf-lb-map-max` plays). Their entries are allocated
+//!   as they are written; the kernel allocates a hash map's buckets up front.
+//!
+//! The maps are pinned: a size is fixed when they are first created, and an
+//! agent started with other flags keeps the pinned size (resizing would
+//! forget every tracked connection) and says so.
 
 use std::path::Path;
 
 use anyhow::{Result, bail};
-use proxy_common::{MAP_CONNTRACK, MAP_CT_UNCONFIRMED, MAP_SNAT, MAP_SNAT_UNCONFIRMED, UNCONFIRMED_SHARE};
+use proxy_common::{
+    MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_CT_UNCONFIRMED, MAP_FRONTENDS, MAP_SERVICE_NAMES, MAP_SNAT,
+    MAP_SNAT_UNCONFIRMED, MAP_SOURCE_RANGES, MAX_FRONTENDS, SERVICE_NAMES_SHARE, SOURCE_RANGES_SHARE, UNCONFIRMED_SHARE,
+};
 
 /// kube-proxy's defaults.
 pub const DEFAULT_MAX_PER_CORE: u32 = 32_768;
@@ -54,12 +64,62 @@ impl ConntrackSize {
             (MAP_SNAT_UNCONFIRMED, self.unconfirmed),
         ]
     }
+}
 
+/// `--service-map-entries`'s default: what this build's object declares.
+pub const DEFAULT_SERVICE_MAP_ENTRIES: u32 = MAX_FRONTENDS;
+/// The least that still holds SOURCE_RANGES' share of a few entries.
+const SERVICE_LEAST: u32 = 1024;
+
+/// The service maps' size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServiceMapSize {
+    /// FRONTENDS, BACKEND_SLOTS and BACKENDS.
+    pub entries: u32,
+}
+
+impl Default for ServiceMapSize {
+    fn default() -> Self {
+        Self { entries: DEFAULT_SERVICE_MAP_ENTRIES }
+    }
+}
+
+impl ServiceMapSize {
+    pub fn from_flag(entries: u32) -> Result<Self> {
+        if !(SERVICE_LEAST..=MOST).contains(&entries) {
+            bail!("--service-map-entries {entries}: outside {SERVICE_LEAST}..={MOST}");
+        }
+        Ok(Self { entries })
+    }
+
+    /// Each sized map with the entries it gets.
+    pub fn maps(&self) -> [(&'static str, u32); 5] {
+        let n = self.entries;
+        [
+            (MAP_FRONTENDS, n),
+            (MAP_BACKEND_SLOTS, n),
+            (MAP_BACKENDS, n),
+            (MAP_SERVICE_NAMES, n / SERVICE_NAMES_SHARE),
+            (MAP_SOURCE_RANGES, n / SOURCE_RANGES_SHARE),
+        ]
+    }
+}
+
+/// Every map the flags size.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MapSizes {
+    pub conntrack: ConntrackSize,
+    pub services: ServiceMapSize,
+}
+
+impl MapSizes {
     /// The sizes to load with under `root`: where a map is already pinned,
     /// its size (with a warning if the flags ask for another).
     pub fn adopt_pinned(&self, root: &Path) -> Vec<(&'static str, u32)> {
-        self.maps()
+        self.conntrack
+            .maps()
             .into_iter()
+            .chain(self.services.maps())
             .map(|(name, wanted)| {
                 let pinned = aya::maps::MapInfo::from_pin(root.join(name)).ok().map(|info| info.max_entries());
                 match pinned {
@@ -99,6 +159,20 @@ mod tests {
         assert_eq!((s.confirmed, s.unconfirmed), (4096, 1024));
         assert_eq!(ConntrackSize::default().confirmed, proxy_common::MAX_CONNTRACK);
         assert_eq!(ConntrackSize::default().unconfirmed, proxy_common::MAX_CT_UNCONFIRMED);
+    }
+
+    #[test]
+    fn service_maps_default_to_what_the_object_declares() {
+        let declared = [
+            proxy_common::MAX_FRONTENDS,
+            proxy_common::MAX_BACKEND_SLOTS,
+            proxy_common::MAX_BACKENDS,
+            proxy_common::MAX_SERVICE_NAMES,
+            proxy_common::MAX_SOURCE_RANGES,
+        ];
+        assert_eq!(ServiceMapSize::default().maps().map(|(_, n)| n), declared);
+        assert_eq!(ServiceMapSize::from_flag(65_536).unwrap().maps().map(|(_, n)| n), [65_536, 65_536, 65_536, 32_768, 4096]);
+        assert!(ServiceMapSize::from_flag(100).is_err());
     }
 
     #[test]
