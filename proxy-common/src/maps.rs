@@ -24,6 +24,8 @@ pub const MAP_SOURCE_RANGES: &str = "SOURCE_RANGES";
 pub const MAP_AFFINITY: &str = "AFFINITY";
 pub const MAP_SOCK_REVNAT: &str = "SOCK_REVNAT";
 pub const MAP_IPV6_PROGRAMS: &str = "IPV6_PROGRAMS";
+/// The ICMP error programs (`ICMP_PROG_*`).
+pub const MAP_ICMP_PROGRAMS: &str = "ICMP_PROGRAMS";
 /// One u32 the agent increments after it removes a backend: see
 /// `CtEntry::backends_epoch`.
 pub const MAP_BACKENDS_EPOCH: &str = "BACKENDS_EPOCH";
@@ -107,6 +109,8 @@ pub const REVERSE_NAT_MARK: u32 = 0x0040_0000;
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
 pub const IPPROTO_SCTP: u8 = 132;
+pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_ICMPV6: u8 = 58;
 
 /// Which clients a frontend entry answers. The model decides the backend set
 /// per scope (traffic policies); the datapath only classifies the source.
@@ -472,6 +476,10 @@ pub enum Counter {
     /// `CtPromoted` and CONNTRACK's entry count the agent derives the
     /// evictions: promoted - released - entries.
     CtReleased = 27,
+    /// An ICMP or ICMPv6 error about a translated flow, rewritten so that
+    /// it names the flow as its client knows it (at ingress for a
+    /// masqueraded flow, and again at egress).
+    IcmpErrorTranslated = 28,
 }
 
 /// Slots of the IPv6 program array: which IPv6 program each IPv4 program
@@ -513,13 +521,22 @@ pub const REJECT_PROG_V4: u32 = 0;
 pub const REJECT_PROG_V6: u32 = 1;
 pub const REJECT_PROG_COUNT: u32 = 2;
 
-pub const COUNTER_NAMES: [&str; 28] = [
+/// The programs that translate ICMP errors about translated flows, tail-
+/// called by ingress and egress for an ICMP packet (each with a stack of
+/// its own: ingress is at the older verifiers' limit).
+pub const ICMP_PROG_INGRESS: u32 = 0;
+pub const ICMP_PROG_INGRESS6: u32 = 1;
+pub const ICMP_PROG_EGRESS: u32 = 2;
+pub const ICMP_PROG_EGRESS6: u32 = 3;
+pub const ICMP_PROG_COUNT: u32 = 4;
+
+pub const COUNTER_NAMES: [&str; 29] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",
     "fragment", "rebalanced", "rewrite_failed", "rejected", "drop_unallocated",
     "drop_source_range", "drop_no_local", "masqueraded", "snat_failed", "affinity_hit",
     "reject_failed", "extension_header", "snat_port_shared", "node_snat",
     "reject_suppressed", "node_egress", "node_route_failed", "reject_limited",
-    "ct_out_of_state", "ct_promoted", "ct_released",
+    "ct_out_of_state", "ct_promoted", "ct_released", "icmp_error_translated",
 ];
 /// Slots of the pinned `COUNTERS` array: room to add counters without
 /// changing the map's layout (which an upgrade could not reuse). At most 32:

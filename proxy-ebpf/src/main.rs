@@ -7,6 +7,8 @@
 #[cfg(target_arch = "bpf")]
 mod conntrack;
 #[cfg(target_arch = "bpf")]
+mod icmp;
+#[cfg(target_arch = "bpf")]
 mod lb;
 #[cfg(target_arch = "bpf")]
 mod maps;
@@ -45,7 +47,7 @@ mod program {
     use aya_ebpf::{bindings::BPF_F_INGRESS, helpers::bpf_redirect};
     use proxy_common::{
         CT_CONFIRM_ON_REPLY, CT_LOOPBACK, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_PENDING, CT_REPLY, Counter,
-        IPPROTO_TCP, IPV6_PROG_EGRESS, IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, LOOPBACK_IFINDEX,
+        ICMP_PROG_EGRESS, ICMP_PROG_EGRESS6, ICMP_PROG_INGRESS, ICMP_PROG_INGRESS6, IPPROTO_TCP, IPV6_PROG_EGRESS, IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, LOOPBACK_IFINDEX,
         MASQUERADE_MARK, NODE_PROG_EGRESS, NODE_PROG_FLOW, NODE_PROG_INGRESS_REPLY, NODE6_PROG_EGRESS, NODE6_PROG_FLOW,
         NODE6_PROG_INGRESS_REPLY, REJECT_PROG_V4, REJECT_PROG_V6, REVERSE_NAT_MARK, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
         SVC_SOURCE_RANGES, reject_limit::RejectBudget,
@@ -54,7 +56,8 @@ mod program {
     use crate::{
         conntrack::{self, Confirming},
         lb::{self, Miss},
-        maps::{IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, REJECT_BUDGETS, REJECT_PROGRAMS, count},
+        icmp,
+        maps::{ICMP_PROGRAMS, IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, REJECT_BUDGETS, REJECT_PROGRAMS, count},
         masquerade, nat, nat6, parse, parse6, reject, reject6, route, skb, sock, trace,
     };
 
@@ -108,6 +111,10 @@ mod program {
         let pkt = match parsed {
             Ok(pkt) => pkt,
             Err(reason) => {
+                if !TRACE && reason == Counter::Passed && icmp::is_icmp::<V6>(ctx) {
+                    // tc_icmp_error_in(6), which counts.
+                    let _ = unsafe { ICMP_PROGRAMS.tail_call(ctx, if V6 { ICMP_PROG_INGRESS6 } else { ICMP_PROG_INGRESS }) };
+                }
                 note::<TRACE>(reason);
                 return NOT_OURS;
             }
@@ -283,7 +290,53 @@ mod program {
     /// interface: SNAT of masqueraded flows, and replies' frontend address.
     #[classifier]
     pub fn tc_egress(ctx: TcContext) -> i32 {
+        // ICMP errors, whatever their mark or sender (the node itself sends
+        // some): tc_icmp_error_out(6).
+        let v6 = skb::is_ipv6(&ctx);
+        if if v6 { icmp::is_icmp::<true>(&ctx) } else { icmp::is_icmp::<false>(&ctx) } {
+            let _ = unsafe { ICMP_PROGRAMS.tail_call(&ctx, if v6 { ICMP_PROG_EGRESS6 } else { ICMP_PROG_EGRESS }) };
+            return NOT_OURS;
+        }
         egress::<false>(&ctx)
+    }
+
+    /// An ICMP error met at ingress: one about a masqueraded flow goes back
+    /// to the flow's client (see `icmp`). Reached by tail call from
+    /// `tc_ingress(6)` for ICMP packets; counts for them.
+    #[classifier]
+    pub fn tc_icmp_error_in(ctx: TcContext) -> i32 {
+        icmp_error::<false, true>(&ctx)
+    }
+
+    #[classifier]
+    pub fn tc_icmp_error_in6(ctx: TcContext) -> i32 {
+        icmp_error::<true, true>(&ctx)
+    }
+
+    /// An ICMP error met at egress: the quote names the frontend again.
+    /// Reached by tail call from `tc_egress` for ICMP packets.
+    #[classifier]
+    pub fn tc_icmp_error_out(ctx: TcContext) -> i32 {
+        icmp_error::<false, false>(&ctx)
+    }
+
+    #[classifier]
+    pub fn tc_icmp_error_out6(ctx: TcContext) -> i32 {
+        icmp_error::<true, false>(&ctx)
+    }
+
+    #[inline(always)]
+    fn icmp_error<const V6: bool, const INGRESS: bool>(ctx: &TcContext) -> i32 {
+        match icmp::translate::<V6, INGRESS>(ctx) {
+            Some(done) => verdict::<false>(done, Counter::IcmpErrorTranslated),
+            None => {
+                // Egress counts only what it translates.
+                if INGRESS {
+                    count(Counter::Passed);
+                }
+                NOT_OURS
+            }
+        }
     }
 
     /// `tc_egress` for IPv6 frames, reached by tail call from it.

@@ -108,6 +108,10 @@ pub static IPV6_PROGRAMS: ProgramArray = ProgramArray::pinned(IPV6_PROG_COUNT, 0
 #[map]
 pub static NODE_PROGRAMS: ProgramArray = ProgramArray::pinned(NODE_PROG_COUNT, 0);
 
+/// `tc_icmp_error_in(6)` and `tc_icmp_error_out(6)` (`ICMP_PROG_*`).
+#[map]
+pub static ICMP_PROGRAMS: ProgramArray = ProgramArray::pinned(ICMP_PROG_COUNT, 0);
+
 /// `tc_reject` and `tc_reject6` (`REJECT_PROG_*`).
 #[map]
 pub static REJECT_PROGRAMS: ProgramArray = ProgramArray::pinned(REJECT_PROG_COUNT, 0);

@@ -263,7 +263,7 @@ fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64
 type EntryCounter = fn(&Path, &str) -> Result<u64>;
 
 /// How to count the entries of each pinned map: by its key and value types.
-const ENTRY_COUNTERS: [(&str, EntryCounter); 22] = {
+const ENTRY_COUNTERS: [(&str, EntryCounter); 23] = {
     use proxy_common::*;
     [
         (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>),
@@ -290,6 +290,7 @@ const ENTRY_COUNTERS: [(&str, EntryCounter); 22] = {
         (MAP_NODE_PROGRAMS, |_, _| Ok(u64::from(NODE_PROG_COUNT))),
         (MAP_NODE6_PROGRAMS, |_, _| Ok(u64::from(NODE6_PROG_COUNT))),
         (MAP_REJECT_PROGRAMS, |_, _| Ok(u64::from(REJECT_PROG_COUNT))),
+        (MAP_ICMP_PROGRAMS, |_, _| Ok(u64::from(ICMP_PROG_COUNT))),
     ]
 };
 

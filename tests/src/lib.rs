@@ -16,6 +16,7 @@ pub mod echo;
 pub mod fixture;
 pub mod flood;
 pub mod flows;
+pub mod frames;
 pub mod hooks;
 pub mod kapisrv;
 pub mod manifests;

@@ -120,6 +120,71 @@ impl Node {
     }
 }
 
+/// A pod behind a router: node <-> router over a transit link, router <->
+/// pod, where the router's end of the pod link has a smaller MTU than the
+/// pod's own (a hop in the middle of the path, as between two nodes: the
+/// pod still advertises its full MSS, so only path MTU discovery, the
+/// router's ICMP errors, brings the node's packets down to size). Each of
+/// `pod_ips` is routed to the router; the transit link holds
+/// `transit4`.1/.2 (/30) and `transit6`::1/::2 (/64).
+pub struct RoutedPod {
+    pub router: Netns,
+    pub pod: Netns,
+}
+
+impl Node {
+    pub fn add_routed_pod(
+        &mut self,
+        name: &str,
+        pod_ips: &[IpAddr],
+        hop_mtu: u32,
+        transit4: [u8; 3],
+        transit6: &str,
+    ) -> Result<RoutedPod> {
+        let router = Netns::new(&format!("{}-{name}-rt", self.prefix))?;
+        let pod = Netns::new(&format!("{}-{name}", self.prefix))?;
+        router.sysctl("net.ipv4.ip_forward", "1")?;
+        router.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+        let node_if = format!("{}r{}", self.prefix, self.next_if);
+        self.next_if += 1;
+        let [a, b, c] = transit4;
+        let (node4, router4) = (format!("{a}.{b}.{c}.1"), format!("{a}.{b}.{c}.2"));
+        let (node6, router6) = (format!("{transit6}::1"), format!("{transit6}::2"));
+        self.ns.ip(&["link", "add", &node_if, "type", "veth", "peer", "name", "up0", "netns", &router.name])?;
+        let out = self.ns.command("ethtool").args(["-K", &node_if, "tx", "off"]).output()?;
+        anyhow::ensure!(out.status.success(), "ethtool -K {node_if} tx off: {}", String::from_utf8_lossy(&out.stderr));
+        self.ns.ip(&["addr", "add", &format!("{node4}/30"), "dev", &node_if])?;
+        self.ns.ip(&["addr", "add", &format!("{node6}/64"), "dev", &node_if, "nodad"])?;
+        self.ns.ip(&["link", "set", &node_if, "up"])?;
+        router.ip(&["addr", "add", &format!("{router4}/30"), "dev", "up0"])?;
+        router.ip(&["addr", "add", &format!("{router6}/64"), "dev", "up0", "nodad"])?;
+        router.ip(&["link", "set", "up0", "up"])?;
+        router.ip(&["route", "add", "default", "via", &node4])?;
+        router.ip(&["-6", "route", "add", "default", "via", &node6])?;
+        router.ip(&["link", "add", "down0", "type", "veth", "peer", "name", "eth0", "netns", &pod.name])?;
+        router.ip(&["link", "set", "down0", "mtu", &hop_mtu.to_string(), "up"])?;
+        pod.ip(&["link", "set", "eth0", "up"])?;
+        // The pod reaches everything through the router's end of its link.
+        router.ip(&["addr", "add", "169.254.1.1/32", "dev", "down0"])?;
+        router.ip(&["addr", "add", "fe80::1/64", "dev", "down0", "nodad"])?;
+        pod.ip(&["route", "add", POD_GATEWAY, "dev", "eth0", "scope", "link"])?;
+        pod.ip(&["route", "add", "default", "via", POD_GATEWAY, "dev", "eth0"])?;
+        pod.ip(&["-6", "route", "add", "default", "via", POD_GATEWAY6, "dev", "eth0"])?;
+        for ip in pod_ips {
+            let host = host_prefix(*ip);
+            if ip.is_ipv4() {
+                pod.ip(&["addr", "add", &host, "dev", "eth0"])?;
+                self.ns.ip(&["route", "add", &host, "via", &router4])?;
+            } else {
+                pod.ip(&["addr", "add", &host, "dev", "eth0", "nodad"])?;
+                self.ns.ip(&["-6", "route", "add", &host, "via", &router6])?;
+            }
+            router.ip(&["route", "add", &host, "dev", "down0"])?;
+        }
+        Ok(RoutedPod { router, pod })
+    }
+}
+
 /// `ip` as a one-address prefix: /32 or /128.
 pub fn host_prefix(ip: IpAddr) -> String {
     format!("{ip}/{}", if ip.is_ipv4() { 32 } else { 128 })
