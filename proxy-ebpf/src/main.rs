@@ -127,20 +127,8 @@ mod program {
             match direction {
                 CT_REPLY => {
                     if !TRACE && ct.flags & CT_PENDING != 0 {
-                        if let Some(flow) = Confirming::of_reply(&pkt.tuple, ct) {
-                            // A TCP server sends a plain ACK only once its
-                            // handshake completed: that confirms too (the
-                            // client's ACK may have gone unseen).
-                            if ct.flags & CT_CONFIRM_ON_REPLY != 0 || pkt.acks_only() {
-                                flow.confirm();
-                                let Some(moved) = conntrack::lookup_mut(&pkt.tuple) else { return NOT_OURS };
-                                ct = moved;
-                            } else if pkt.answers_opening() {
-                                if let Ok(seq) = ctx.load::<u32>(pkt.l4_off + parse::TCP_SEQ_OFF) {
-                                    flow.expect_handshake_ack(seq);
-                                }
-                            }
-                        }
+                        let Some(seen) = see_unconfirmed_reply(ctx, &pkt, ct) else { return NOT_OURS };
+                        ct = seen;
                     }
                     if !TRACE {
                         conntrack::touch(ct, pkt.closes_connection());
@@ -191,6 +179,25 @@ mod program {
         }
 
         new_flow::<TRACE, V6, false>(ctx, &pkt, false)
+    }
+
+    /// A reply of an unconfirmed flow: it confirms the flow if it may (see
+    /// `conntrack`), and the entry to go on with is returned (None: gone).
+    #[inline(always)]
+    fn see_unconfirmed_reply<'a>(ctx: &TcContext, pkt: &'a parse::Packet, ct: &'a mut proxy_common::CtEntry) -> Option<&'a mut proxy_common::CtEntry> {
+        let Some(flow) = Confirming::of_reply(&pkt.tuple, ct) else { return Some(ct) };
+        // A TCP server sends a plain ACK only once its handshake completed:
+        // that confirms too (the client's ACK may have gone unseen).
+        if ct.flags & CT_CONFIRM_ON_REPLY != 0 || pkt.acks_only() {
+            flow.confirm();
+            return conntrack::lookup_mut(&pkt.tuple);
+        }
+        if pkt.answers_opening() {
+            if let Ok(seq) = ctx.load::<u32>(pkt.l4_off + parse::TCP_SEQ_OFF) {
+                flow.expect_handshake_ack(seq);
+            }
+        }
+        Some(ct)
     }
 
     /// The first packet of a flow, or one whose backend went away: the
@@ -518,7 +525,9 @@ mod program {
         }
         let mut known = false;
         if let Some(ct) = conntrack::lookup_flow(&pkt) {
-            // Another flow's entry (a forwarded client's reply tuple): not ours.
+            if ct.direction == CT_REPLY && ct.flags & CT_NODE == 0 {
+                return Some(local_endpoint_reply(ctx, &pkt, ct));
+            }
             if ct.flags & CT_NODE == 0 || ct.direction != CT_ORIGINAL {
                 return None;
             }
@@ -535,6 +544,20 @@ mod program {
             NOT_OURS => None,
             verdict => Some(forward::<V6>(ctx, &pkt, verdict)),
         }
+    }
+
+    /// A reply from a server of the node (a hostNetwork endpoint) to a
+    /// client whose packets ingress translated to it: delivered locally,
+    /// they never reached egress, and the reply never passes ingress, so its
+    /// source goes back to the frontend here (and it confirms its flow).
+    #[inline(always)]
+    fn local_endpoint_reply<'a>(ctx: &TcContext, pkt: &'a parse::Packet, mut ct: &'a mut proxy_common::CtEntry) -> i32 {
+        if ct.flags & CT_PENDING != 0 {
+            let Some(seen) = see_unconfirmed_reply(ctx, pkt, ct) else { return NOT_OURS };
+            ct = seen;
+        }
+        conntrack::touch(ct, pkt.closes_connection());
+        verdict::<false>(nat::rewrite_src(ctx, pkt, &ct.nat_addr, ct.nat_port), Counter::Reply)
     }
 
     /// 127.0.0.0/8 or ::1.
