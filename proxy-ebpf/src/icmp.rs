@@ -48,6 +48,18 @@ pub fn is_icmp<const V6: bool>(ctx: &TcContext) -> bool {
     }
 }
 
+/// The destination of an ICMP packet that is no error about a flow (an
+/// echo request, say).
+#[inline(always)]
+pub fn destination<const V6: bool>(ctx: &TcContext) -> Option<Addr> {
+    let l3 = ETH_HLEN;
+    if V6 {
+        Some(Addr(ctx.load(l3 + 24).ok()?))
+    } else {
+        Some(Addr::from_v4_octets(ctx.load(l3 + 16).ok()?))
+    }
+}
+
 /// The ICMP types that quote a packet: destination unreachable (with
 /// fragmentation needed), time exceeded, parameter problem; for ICMPv6 also
 /// packet too big.

@@ -41,13 +41,30 @@ pub fn lookup_frontend(tuple: &CtKey, scope: u8) -> Result<ServiceEntry, Miss> {
     if let Some(service) = unsafe { FRONTENDS.get(&key) } {
         return Ok(*service);
     }
-    if unsafe { FRONTENDS.get(&cluster_ip_marker(tuple.dst)) }.is_some() {
+    if is_cluster_ip(&tuple.dst) {
         return Err(Miss::Reject);
     }
-    if SERVICE_CIDRS.get(&Key::new(FULL_PREFIX, CidrData { addr: tuple.dst })).is_some() {
+    if in_service_cidrs(&tuple.dst) {
         return Err(Miss::DropUnallocated);
     }
     Err(Miss::NotOurs)
+}
+
+#[inline(always)]
+fn is_cluster_ip(addr: &Addr) -> bool {
+    unsafe { FRONTENDS.get(&cluster_ip_marker(*addr)) }.is_some()
+}
+
+#[inline(always)]
+fn in_service_cidrs(addr: &Addr) -> bool {
+    SERVICE_CIDRS.get(&Key::new(FULL_PREFIX, CidrData { addr: *addr })).is_some()
+}
+
+/// An address of the service CIDRs that no Service owns: whatever the
+/// protocol, kube-proxy drops what is sent there.
+#[inline(always)]
+pub fn is_unallocated(addr: &Addr) -> bool {
+    !is_cluster_ip(addr) && in_service_cidrs(addr)
 }
 
 /// loadBalancerSourceRanges, for the frontends the agent flagged.

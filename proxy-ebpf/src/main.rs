@@ -336,13 +336,18 @@ mod program {
     fn icmp_error<const V6: bool, const INGRESS: bool>(ctx: &TcContext) -> i32 {
         match icmp::translate::<V6, INGRESS>(ctx) {
             Some(done) => verdict::<false>(done, Counter::IcmpErrorTranslated),
-            None => {
-                // Egress counts only what it translates.
-                if INGRESS {
-                    count(Counter::Passed);
+            None if INGRESS => {
+                // An echo request to an unallocated service address is
+                // dropped, as anything sent there is.
+                if icmp::destination::<V6>(ctx).is_some_and(|dst| lb::is_unallocated(&dst)) {
+                    count(Counter::DropUnallocated);
+                    return DROP;
                 }
+                count(Counter::Passed);
                 NOT_OURS
             }
+            // Egress counts only what it translates.
+            None => NOT_OURS,
         }
     }
 

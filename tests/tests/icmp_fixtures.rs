@@ -6,7 +6,8 @@
 //! back in its quote at egress (and as its source when the backend sent it),
 //! an error about a masqueraded flow is sent back to the client at ingress
 //! first; errors about no flow, echo requests and cut quotes are left
-//! alone. Every checksum of each output (outer, ICMP, the quote's IP and
+//! alone, and an echo request to an unallocated service address is dropped.
+//! Every checksum of each output (outer, ICMP, the quote's IP and
 //! TCP/UDP) is recomputed by etherparse, never taken from the program.
 //!
 //! Run with `-- --nocapture` to see the tables. Needs root (BPF).
@@ -15,7 +16,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use proxy_common::*;
 use proxy_tests::{
-    fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_UNSPEC, run_table},
+    fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, run_table},
     frames::{Endpoint, Framing, IcmpError, icmp_echo, icmp_error, recheck_checksums, tcp_syn, udp},
 };
 use proxy_user::{maps::Maps, reconciler::MapWriter};
@@ -31,6 +32,9 @@ struct Net {
     node: IpAddr,
     /// A client outside the cluster, masqueraded.
     external: IpAddr,
+    /// In the service CIDR, no Service's.
+    unallocated: IpAddr,
+    service_cidr: &'static str,
     /// Service and backend IDs: TCP, then UDP.
     ids: [u32; 2],
 }
@@ -42,6 +46,8 @@ const V4: Net = Net {
     router: IpAddr::V4(Ipv4Addr::new(192, 168, 5, 1)),
     node: IpAddr::V4(Ipv4Addr::new(192, 168, 0, 2)),
     external: IpAddr::V4(Ipv4Addr::new(203, 0, 113, 2)),
+    unallocated: IpAddr::V4(Ipv4Addr::new(10, 96, 0, 99)),
+    service_cidr: "10.96.0.0/16",
     ids: [1, 2],
 };
 
@@ -52,6 +58,8 @@ const V6: Net = Net {
     router: IpAddr::V6(Ipv6Addr::new(0xfd00, 5, 0, 0, 0, 0, 0, 1)),
     node: IpAddr::V6(Ipv6Addr::new(0xfd00, 0x168, 0, 0, 0, 0, 0, 2)),
     external: IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 2)),
+    unallocated: IpAddr::V6(Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x99)),
+    service_cidr: "fd00:96::/64",
     ids: [3, 4],
 };
 
@@ -143,6 +151,13 @@ fn cases(n: &Net, family: &str) -> Vec<Case> {
             Counter::Passed,
         ),
         Case::new(
+            &format!("{family}: an echo request to an unallocated address of the service CIDR: dropped"),
+            icmp_echo(n.client, n.unallocated),
+            TC_ACT_SHOT,
+            Expect::Unchanged,
+            &[Counter::DropUnallocated],
+        ),
+        Case::new(
             &format!("{family}: an error whose quote stops inside the ports: left alone"),
             icmp_error(n.backend, n.client, IcmpError::PortUnreachable, &sent_dns[..sent_dns.len() - QUERY.len() - 6]),
             TC_ACT_UNSPEC,
@@ -191,6 +206,8 @@ fn services(m: &mut Maps, n: &Net) -> anyhow::Result<()> {
         }
         m.put_name(id, &ServiceName::new(name, SCOPE_INTERNAL))?;
     }
+    m.put_frontend(&cluster_ip_marker(addr(n.vip)), &ServiceEntry { kind: KIND_CLUSTER_IP, ..Default::default() })?;
+    m.put_service_cidr(&n.service_cidr.parse()?)?;
     Ok(())
 }
 
