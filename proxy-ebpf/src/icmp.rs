@@ -28,10 +28,12 @@ use proxy_common::{
     IPPROTO_UDP, csum,
 };
 
-use crate::{conntrack, parse::ETH_HLEN};
+use crate::{
+    conntrack,
+    parse::{ETH_HLEN, ETH_P_IP},
+    parse6::ETH_P_IPV6,
+};
 
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
 /// Type, code, checksum and the 4-byte rest of the header: the quote follows.
 const ICMP_HLEN: usize = 8;
 const ICMP_CSUM_OFF: usize = 2;

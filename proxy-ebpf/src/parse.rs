@@ -11,7 +11,7 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 pub const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IP: u16 = 0x0800;
 const IP_MF_AND_OFFSET: u16 = 0x3fff;
 /// The most `parse` reads: Ethernet, IPv4 with the longest options, TCP.
 const MAX_HEADERS: usize = ETH_HLEN + 60 + 20;

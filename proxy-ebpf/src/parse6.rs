@@ -8,7 +8,7 @@ use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP}
 
 use crate::parse::{ETH_HLEN, Packet};
 
-const ETH_P_IPV6: u16 = 0x86dd;
+pub const ETH_P_IPV6: u16 = 0x86dd;
 pub const IPV6_HLEN: usize = 40;
 /// Offsets of the addresses in the IPv6 header.
 pub const SRC_OFF: usize = 8;
