@@ -47,7 +47,8 @@ mod program {
     use aya_ebpf::{bindings::BPF_F_INGRESS, helpers::bpf_redirect};
     use proxy_common::{
         CT_CONFIRM_ON_REPLY, CT_LOOPBACK, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_PENDING, CT_REPLY, Counter,
-        ICMP_PROG_EGRESS, ICMP_PROG_EGRESS6, ICMP_PROG_INGRESS, ICMP_PROG_INGRESS6, IPPROTO_TCP, IPV6_PROG_EGRESS, IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, LOOPBACK_IFINDEX,
+        ICMP_PROG_EGRESS, ICMP_PROG_EGRESS6, ICMP_PROG_INGRESS, ICMP_PROG_INGRESS6, IPPROTO_TCP, IPV6_PROG_EGRESS,
+        IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, LOOPBACK_IFINDEX,
         MASQUERADE_MARK, NODE_PROG_EGRESS, NODE_PROG_FLOW, NODE_PROG_INGRESS_REPLY, NODE6_PROG_EGRESS, NODE6_PROG_FLOW,
         NODE6_PROG_INGRESS_REPLY, REJECT_PROG_V4, REJECT_PROG_V6, REVERSE_NAT_MARK, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
         SVC_SOURCE_RANGES, reject_limit::RejectBudget,
@@ -184,7 +185,11 @@ mod program {
     /// A reply of an unconfirmed flow: it confirms the flow if it may (see
     /// `conntrack`), and the entry to go on with is returned (None: gone).
     #[inline(always)]
-    fn see_unconfirmed_reply<'a>(ctx: &TcContext, pkt: &'a parse::Packet, ct: &'a mut proxy_common::CtEntry) -> Option<&'a mut proxy_common::CtEntry> {
+    fn see_unconfirmed_reply<'a>(
+        ctx: &TcContext,
+        pkt: &'a parse::Packet,
+        ct: &'a mut proxy_common::CtEntry,
+    ) -> Option<&'a mut proxy_common::CtEntry> {
         let Some(flow) = Confirming::of_reply(&pkt.tuple, ct) else { return Some(ct) };
         // A TCP server sends a plain ACK only once its handshake completed:
         // that confirms too (the client's ACK may have gone unseen).
