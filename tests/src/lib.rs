@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod bench;
+pub mod bpf_ids;
 pub mod bpffs;
 pub mod cgroup;
 pub mod conformance;

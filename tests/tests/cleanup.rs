@@ -9,11 +9,12 @@ use std::{collections::BTreeSet, net::Ipv4Addr, path::Path, time::Duration};
 
 use anyhow::Result;
 use aya::{
-    maps::{MapData, loaded_maps},
-    programs::{TcAttachType, loaded_programs},
+    maps::{MapData, MapInfo, loaded_maps},
+    programs::{ProgramInfo, TcAttachType, loaded_programs},
 };
 use proxy_tests::{
     agent::{Agent, agent_bin, wait_until},
+    bpf_ids,
     bpffs::Bpffs,
     hooks,
     is_root,
@@ -82,6 +83,26 @@ fn fd_holders(programs: &BTreeSet<u32>, maps: &BTreeSet<u32>) -> Result<Vec<Stri
     Ok(holders)
 }
 
+/// Maps by ID, name and type, each with the loaded programs that use it.
+fn describe(maps: &[MapInfo]) -> String {
+    if maps.is_empty() {
+        return "no map of ours left".into();
+    }
+    let programs: Vec<ProgramInfo> = loaded_programs().filter_map(Result::ok).collect();
+    let users = |id: u32| -> Vec<String> {
+        programs
+            .iter()
+            .filter(|p| p.map_ids().ok().flatten().is_some_and(|ids| ids.contains(&id)))
+            .map(|p| format!("{} {} ({:?})", p.id(), p.name_as_str().unwrap_or("?"), p.program_type()))
+            .collect()
+    };
+    let each: Vec<String> = maps
+        .iter()
+        .map(|m| format!("{} {} ({:?}) used by {:?}", m.id(), m.name_as_str().unwrap_or("?"), m.map_type(), users(m.id())))
+        .collect();
+    format!("[{}]", each.join("; "))
+}
+
 #[test]
 fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
     assert!(is_root(), "needs root (network namespaces and BPF)");
@@ -124,6 +145,16 @@ fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
         .iter()
         .map(|m| Ok(MapData::from_pin(root.join(m))?.info()?.id()))
         .collect::<Result<_>>()?;
+    // Every program of ours, also those on no interface (tail-called ones,
+    // the socket hooks): each uses our maps.
+    let attached_programs = programs.len();
+    programs.extend(
+        loaded_programs()
+            .filter_map(Result::ok)
+            .filter(|p| p.map_ids().ok().flatten().is_some_and(|ids| ids.iter().any(|id| maps.contains(id))))
+            .map(|p| p.id()),
+    );
+    assert!(programs.len() > attached_programs + 8, "only {} programs use our maps", programs.len());
     // While the agent runs it holds its links: cleanup refuses and touches nothing.
     let out = node.ns.command(agent_bin().to_str().unwrap()).args(["cleanup", "--bpffs-root"]).arg(&root).output()?;
     let err = String::from_utf8_lossy(&out.stderr);
@@ -167,11 +198,19 @@ fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
     let holders = fd_holders(&programs, &maps)?;
     assert!(holders.is_empty(), "processes still hold our programs or maps: {holders:?}");
     wait_until("our programs and maps freed by the kernel", Duration::from_secs(60), || {
-        let progs_left: Vec<_> = loaded_programs().filter_map(Result::ok).filter(|p| programs.contains(&p.id())).map(|p| p.id()).collect();
-        let maps_left: Vec<_> = loaded_maps().filter_map(Result::ok).filter(|m| maps.contains(&m.id())).map(|m| m.id()).collect();
+        // By ID alone: opening a map here could itself keep it (bpf_ids.rs).
+        let progs_left: Vec<u32> = bpf_ids::program_ids()?.intersection(&programs).copied().collect();
+        let maps_left: Vec<u32> = bpf_ids::map_ids()?.intersection(&maps).copied().collect();
+        if progs_left.is_empty() && maps_left.is_empty() {
+            return Ok(true);
+        }
         // An error is kept and shown if time runs out.
-        anyhow::ensure!(progs_left.is_empty() && maps_left.is_empty(), "still loaded: programs {progs_left:?}, maps {maps_left:?}");
-        Ok(true)
+        anyhow::bail!("still loaded: programs {progs_left:?}, maps {maps_left:?}")
+    })
+    .map_err(|e| {
+        // What is left, and every program that still uses it.
+        let maps_left: Vec<MapInfo> = loaded_maps().filter_map(Result::ok).filter(|m| maps.contains(&m.id())).collect();
+        e.context(describe(&maps_left))
     })?;
 
     // Again: nothing to do, and it says so.
