@@ -26,6 +26,8 @@ pub const MAP_SOCK_REVNAT: &str = "SOCK_REVNAT";
 pub const MAP_IPV6_PROGRAMS: &str = "IPV6_PROGRAMS";
 /// The ICMP error programs (`ICMP_PROG_*`).
 pub const MAP_ICMP_PROGRAMS: &str = "ICMP_PROGRAMS";
+/// The IP fragment programs (`FRAGMENT_PROG_*`).
+pub const MAP_FRAGMENT_PROGRAMS: &str = "FRAGMENT_PROGRAMS";
 /// One u32 the agent increments after it removes a backend: see
 /// `CtEntry::backends_epoch`.
 pub const MAP_BACKENDS_EPOCH: &str = "BACKENDS_EPOCH";
@@ -413,7 +415,9 @@ pub enum Counter {
     CtFull = 5,
     /// Truncated or malformed headers: passed untouched.
     Malformed = 6,
-    /// IP fragment: passed untouched.
+    /// An IP fragment that cannot follow its datagram: one after the first
+    /// whose first was not seen (it came late, or went another way), or an
+    /// SCTP one (SCTP avoids IP fragmentation). Passed untouched.
     Fragment = 7,
     /// A known flow whose backend vanished, re-balanced.
     Rebalanced = 8,
@@ -451,7 +455,9 @@ pub enum Counter {
     NodeSnat = 20,
     /// A TCP RST that would have been REJECTed: dropped unanswered. A reset
     /// is never answered with a reset (netfilter's REJECT neither), or two
-    /// nodes' unserved ports could bounce a spoofed one between them.
+    /// nodes' unserved ports could bounce a spoofed one between them. Also
+    /// an IP fragment that would have been: an error quotes a datagram's
+    /// start, which a later fragment lacks (the kernel answers no fragment).
     RejectSuppressed = 21,
     /// A node packet to a frontend that no socket hook translated (a raw
     /// socket, a process outside `--cgroup-root`, SCTP): a new flow
@@ -480,6 +486,12 @@ pub enum Counter {
     /// it names the flow as its client knows it (at ingress for a
     /// masqueraded flow, and again at egress).
     IcmpErrorTranslated = 28,
+    /// Not a packet verdict: first fragments of an IP datagram whose ports
+    /// were remembered, so that its later fragments follow it (`fragment`).
+    FragmentFirst = 29,
+    /// Not a packet verdict: later fragments that found their first's ports
+    /// and went where it went (counted by their verdict too).
+    FragmentFollowed = 30,
 }
 
 /// Slots of the IPv6 program array: which IPv6 program each IPv4 program
@@ -530,13 +542,49 @@ pub const ICMP_PROG_EGRESS: u32 = 2;
 pub const ICMP_PROG_EGRESS6: u32 = 3;
 pub const ICMP_PROG_COUNT: u32 = 4;
 
-pub const COUNTER_NAMES: [&str; 29] = [
+/// The programs that handle IP fragments, tail-called by ingress and egress
+/// when their parse meets one: the same logic, with a parse that follows a
+/// datagram's later fragments by its first's ports (each with a stack of
+/// its own, and no cost for the packets that are not fragments).
+pub const FRAGMENT_PROG_INGRESS: u32 = 0;
+pub const FRAGMENT_PROG_INGRESS6: u32 = 1;
+pub const FRAGMENT_PROG_EGRESS: u32 = 2;
+pub const FRAGMENT_PROG_EGRESS6: u32 = 3;
+pub const FRAGMENT_PROG_COUNT: u32 = 4;
+
+/// An IP datagram as its fragments share it: addresses, protocol and IP ID
+/// (IPv4's 16 bits, or the IPv6 Fragment header's 32).
+#[repr(C)]
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, Default)]
+pub struct FragmentKey {
+    pub src: Addr,
+    pub dst: Addr,
+    pub id: u32,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+/// The ports a datagram's first fragment carried (network order).
+#[repr(C)]
+#[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
+pub struct FragmentPorts {
+    pub sport: u16,
+    pub dport: u16,
+}
+
+/// Datagrams in flight whose first fragment was seen: an LRU, not pinned
+/// (a datagram's fragments pass within milliseconds; after a restart only
+/// those in flight are lost).
+pub const MAX_FRAGMENTS: u32 = 8192;
+
+pub const COUNTER_NAMES: [&str; 31] = [
     "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",
     "fragment", "rebalanced", "rewrite_failed", "rejected", "drop_unallocated",
     "drop_source_range", "drop_no_local", "masqueraded", "snat_failed", "affinity_hit",
     "reject_failed", "extension_header", "snat_port_shared", "node_snat",
     "reject_suppressed", "node_egress", "node_route_failed", "reject_limited",
     "ct_out_of_state", "ct_promoted", "ct_released", "icmp_error_translated",
+    "fragment_first", "fragment_followed",
 ];
 /// Slots of the pinned `COUNTERS` array: room to add counters without
 /// changing the map's layout (which an upgrade could not reuse). At most 32:
@@ -579,6 +627,8 @@ mod tests {
         assert_eq!(size_of::<SlotKey>(), 8);
         assert_eq!(size_of::<Backend>(), 20);
         assert_eq!(size_of::<CtKey>(), 40);
+        assert_eq!(size_of::<FragmentKey>(), 40);
+        assert_eq!(size_of::<FragmentPorts>(), 4);
         assert_eq!(size_of::<CtEntry>(), 72);
         assert_eq!(size_of::<SnatEntry>(), 24);
         assert_eq!(size_of::<CidrData>(), 16);

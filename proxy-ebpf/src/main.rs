@@ -7,6 +7,8 @@
 #[cfg(target_arch = "bpf")]
 mod conntrack;
 #[cfg(target_arch = "bpf")]
+mod fragment;
+#[cfg(target_arch = "bpf")]
 mod icmp;
 #[cfg(target_arch = "bpf")]
 mod lb;
@@ -47,6 +49,7 @@ mod program {
     use aya_ebpf::{bindings::BPF_F_INGRESS, helpers::bpf_redirect};
     use proxy_common::{
         CT_CONFIRM_ON_REPLY, CT_LOOPBACK, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_PENDING, CT_REPLY, Counter,
+        FRAGMENT_PROG_EGRESS, FRAGMENT_PROG_EGRESS6, FRAGMENT_PROG_INGRESS, FRAGMENT_PROG_INGRESS6,
         ICMP_PROG_EGRESS, ICMP_PROG_EGRESS6, ICMP_PROG_INGRESS, ICMP_PROG_INGRESS6, IPPROTO_TCP, IPV6_PROG_EGRESS,
         IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, LOOPBACK_IFINDEX,
         MASQUERADE_MARK, NODE_PROG_EGRESS, NODE_PROG_FLOW, NODE_PROG_INGRESS_REPLY, NODE6_PROG_EGRESS, NODE6_PROG_FLOW,
@@ -56,9 +59,10 @@ mod program {
 
     use crate::{
         conntrack::{self, Confirming},
+        fragment,
         lb::{self, Miss},
         icmp,
-        maps::{ICMP_PROGRAMS, IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, REJECT_BUDGETS, REJECT_PROGRAMS, count},
+        maps::{FRAGMENT_PROGRAMS, ICMP_PROGRAMS, IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, REJECT_BUDGETS, REJECT_PROGRAMS, count},
         masquerade, nat, nat6, parse, parse6, reject, reject6, route, skb, sock, trace,
     };
 
@@ -71,13 +75,13 @@ mod program {
         if skb::is_ipv6(&ctx) {
             return to_ipv6::<false>(&ctx, IPV6_PROG_INGRESS);
         }
-        ingress::<false, false>(&ctx)
+        ingress::<false, false, false>(&ctx)
     }
 
     /// `tc_ingress` for IPv6 frames, reached by tail call from it.
     #[classifier]
     pub fn tc_ingress6(ctx: TcContext) -> i32 {
-        ingress::<false, true>(&ctx)
+        ingress::<false, true, false>(&ctx)
     }
 
     /// `ebpf-proxy trace`: the same decisions on a synthetic packet (run with
@@ -88,12 +92,12 @@ mod program {
         if skb::is_ipv6(&ctx) {
             return to_ipv6::<true>(&ctx, IPV6_PROG_TRACE);
         }
-        ingress::<true, false>(&ctx)
+        ingress::<true, false, false>(&ctx)
     }
 
     #[classifier]
     pub fn tc_trace6(ctx: TcContext) -> i32 {
-        ingress::<true, true>(&ctx)
+        ingress::<true, true, false>(&ctx)
     }
 
     /// Hands an IPv6 frame to the IPv6 program in `slot`. A tail call, not a
@@ -106,15 +110,35 @@ mod program {
         NOT_OURS
     }
 
+    /// `tc_ingress(6)` for IP fragments, reached by tail call from it: the
+    /// same, with a parse that follows a datagram's later fragments (see
+    /// `fragment`).
+    #[classifier]
+    pub fn tc_ingress_fragment(ctx: TcContext) -> i32 {
+        ingress::<false, false, true>(&ctx)
+    }
+
+    #[classifier]
+    pub fn tc_ingress_fragment6(ctx: TcContext) -> i32 {
+        ingress::<false, true, true>(&ctx)
+    }
+
+    /// `FRAGMENTS`: the fragment program's build, whose parse follows IP
+    /// fragments.
     #[inline(always)]
-    fn ingress<const TRACE: bool, const V6: bool>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<V6>(ctx);
+    fn ingress<const TRACE: bool, const V6: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> i32 {
+        let parsed = parse_family::<V6, FRAGMENTS>(ctx);
         let pkt = match parsed {
             Ok(pkt) => pkt,
             Err(reason) => {
                 if !TRACE && reason == Counter::Passed && icmp::is_icmp::<V6>(ctx) {
                     // tc_icmp_error_in(6), which counts.
                     let _ = unsafe { ICMP_PROGRAMS.tail_call(ctx, if V6 { ICMP_PROG_INGRESS6 } else { ICMP_PROG_INGRESS }) };
+                }
+                if !TRACE && !FRAGMENTS && reason == Counter::Fragment {
+                    // tc_ingress_fragment(6), which counts.
+                    let slot = if V6 { FRAGMENT_PROG_INGRESS6 } else { FRAGMENT_PROG_INGRESS };
+                    let _ = unsafe { FRAGMENT_PROGRAMS.tail_call(ctx, slot) };
                 }
                 note::<TRACE>(reason);
                 return NOT_OURS;
@@ -286,10 +310,16 @@ mod program {
         verdict::<TRACE>(nat::rewrite_dst(ctx, pkt, &backend.addr, backend.port), Counter::NewFlow)
     }
 
-    /// The packet, by the parser of the family the program was built for.
+    /// The packet, by the parser of the family the program was built for
+    /// (`FRAGMENTS`: the one that follows IP fragments).
     #[inline(always)]
-    fn parse_family<const V6: bool>(ctx: &TcContext) -> Result<parse::Packet, Counter> {
-        if V6 { parse6::parse(ctx) } else { parse::parse(ctx) }
+    fn parse_family<const V6: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> Result<parse::Packet, Counter> {
+        match (V6, FRAGMENTS) {
+            (false, false) => parse::parse(ctx),
+            (false, true) => parse::parse_fragment(ctx),
+            (true, false) => parse6::parse(ctx),
+            (true, true) => parse6::parse_fragment(ctx),
+        }
     }
 
     /// Counts, or in a trace notes the counter in the result.
@@ -309,7 +339,7 @@ mod program {
             let _ = unsafe { ICMP_PROGRAMS.tail_call(&ctx, if v6 { ICMP_PROG_EGRESS6 } else { ICMP_PROG_EGRESS }) };
             return NOT_OURS;
         }
-        egress::<false>(&ctx)
+        egress::<false, false>(&ctx)
     }
 
     /// An ICMP error met at ingress: one about a masqueraded flow goes back
@@ -359,7 +389,7 @@ mod program {
     /// `tc_egress` for IPv6 frames, reached by tail call from it.
     #[classifier]
     pub fn tc_egress6(ctx: TcContext) -> i32 {
-        egress::<true>(&ctx)
+        egress::<true, false>(&ctx)
     }
 
     /// IPv6 masquerade, reached by tail call from `tc_egress6` (mark already
@@ -367,7 +397,16 @@ mod program {
     /// reverse-NAT path in the same frame the stack would pass 512 bytes.
     #[classifier]
     pub fn tc_masquerade6(ctx: TcContext) -> i32 {
-        let Ok(pkt) = parse6::parse_in_place(&ctx) else { return NOT_OURS };
+        let pkt = match parse6::parse_in_place(&ctx) {
+            Ok(pkt) => pkt,
+            Err(Counter::Fragment) => {
+                // tc_egress_fragment6, which starts over: with the mark.
+                ctx.set_mark(skb::mark(&ctx) | MASQUERADE_MARK);
+                let _ = unsafe { FRAGMENT_PROGRAMS.tail_call(&ctx, FRAGMENT_PROG_EGRESS6) };
+                return NOT_OURS;
+            }
+            Err(_) => return NOT_OURS,
+        };
         let Some((addr, port)) = masquerade::source_for(&ctx, &pkt) else {
             count(Counter::SnatFailed);
             return NOT_OURS;
@@ -381,12 +420,24 @@ mod program {
         }
     }
 
+    /// `tc_egress(6)` for IP fragments, reached by tail call from it (see
+    /// `tc_ingress_fragment`).
+    #[classifier]
+    pub fn tc_egress_fragment(ctx: TcContext) -> i32 {
+        egress::<false, true>(&ctx)
+    }
+
+    #[classifier]
+    pub fn tc_egress_fragment6(ctx: TcContext) -> i32 {
+        egress::<true, true>(&ctx)
+    }
+
     #[inline(always)]
-    fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
+    fn egress<const V6: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> i32 {
         let mark = crate::skb::mark(ctx);
         if mark & (MASQUERADE_MARK | REVERSE_NAT_MARK) == 0 {
-            // A node socket's packet.
-            if !skb::from_local_socket(ctx) {
+            // A node socket's packet (which the fragment program never gets).
+            if FRAGMENTS || !skb::from_local_socket(ctx) {
                 return NOT_OURS;
             }
             if !V6 && skb::is_ipv6(ctx) {
@@ -406,13 +457,24 @@ mod program {
             return to_ipv6::<false>(ctx, IPV6_PROG_EGRESS);
         }
         ctx.set_mark(mark & !(MASQUERADE_MARK | REVERSE_NAT_MARK));
-        if V6 && mark & MASQUERADE_MARK != 0 {
+        // (The fragment program masquerades inline: it has the stack.)
+        if V6 && !FRAGMENTS && mark & MASQUERADE_MARK != 0 {
             let _ = unsafe { IPV6_PROGRAMS.tail_call(ctx, IPV6_PROG_MASQUERADE) };
             count(Counter::SnatFailed);
             return NOT_OURS;
         }
-        let parsed = parse_family::<V6>(ctx);
-        let Ok(pkt) = parsed else { return NOT_OURS };
+        let parsed = parse_family::<V6, FRAGMENTS>(ctx);
+        let pkt = match parsed {
+            Ok(pkt) => pkt,
+            Err(Counter::Fragment) if !FRAGMENTS => {
+                // tc_egress_fragment(6), which starts over: with the mark.
+                ctx.set_mark(mark);
+                let slot = if V6 { FRAGMENT_PROG_EGRESS6 } else { FRAGMENT_PROG_EGRESS };
+                let _ = unsafe { FRAGMENT_PROGRAMS.tail_call(ctx, slot) };
+                return NOT_OURS;
+            }
+            Err(_) => return NOT_OURS,
+        };
         let source = if mark & MASQUERADE_MARK != 0 {
             masquerade::source_for(ctx, &pkt)
         } else {
@@ -450,7 +512,7 @@ mod program {
 
     #[inline(always)]
     fn node_reply<const V6: bool>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<V6>(ctx);
+        let parsed = parse_family::<V6, false>(ctx);
         let Ok(pkt) = parsed else { return NOT_OURS };
         let Some(ct) = conntrack::lookup(&pkt.tuple).filter(|ct| ct.direction == CT_REPLY && ct.flags & CT_NODE != 0) else {
             return NOT_OURS;
@@ -528,7 +590,7 @@ mod program {
     /// as a martian (kube-proxy sets route_localnet for that; we don't).
     #[inline(always)]
     fn node_to_service<const V6: bool>(ctx: &TcContext) -> Option<i32> {
-        let parsed = parse_family::<V6>(ctx);
+        let parsed = parse_family::<V6, false>(ctx);
         let pkt = parsed.ok()?;
         if is_loopback::<V6>(&pkt.tuple.src) {
             return None;
@@ -591,7 +653,7 @@ mod program {
 
     #[inline(always)]
     fn node_flow<const V6: bool>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<V6>(ctx);
+        let parsed = parse_family::<V6, false>(ctx);
         let Ok(pkt) = parsed else { return NOT_OURS };
         if pkt.proto != IPPROTO_TCP {
             return NOT_OURS;
@@ -656,7 +718,9 @@ mod program {
     /// (a trace builds the reject inline, unlimited).
     #[inline(always)]
     fn reject_packet<const TRACE: bool, const V6: bool, const NODE: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
-        if pkt.tcp_flags & parse::TCP_RST != 0 {
+        // A fragment: an error quotes a datagram's start, which a later
+        // fragment lacks; the first is dropped with the rest.
+        if pkt.tcp_flags & parse::TCP_RST != 0 || pkt.fragment != fragment::NOT_FRAGMENT {
             note::<TRACE>(Counter::RejectSuppressed);
             return DROP;
         }
@@ -684,7 +748,7 @@ mod program {
 
     #[inline(always)]
     fn limited_reject<const V6: bool>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<V6>(ctx);
+        let parsed = parse_family::<V6, false>(ctx);
         let Ok(pkt) = parsed else {
             count(Counter::RejectFailed);
             return DROP;

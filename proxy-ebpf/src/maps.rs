@@ -112,6 +112,15 @@ pub static NODE_PROGRAMS: ProgramArray = ProgramArray::pinned(NODE_PROG_COUNT, 0
 #[map]
 pub static ICMP_PROGRAMS: ProgramArray = ProgramArray::pinned(ICMP_PROG_COUNT, 0);
 
+/// `tc_ingress_fragment(6)` and `tc_egress_fragment(6)` (`FRAGMENT_PROG_*`).
+#[map]
+pub static FRAGMENT_PROGRAMS: ProgramArray = ProgramArray::pinned(FRAGMENT_PROG_COUNT, 0);
+
+/// IP datagrams in flight -> the ports of their first fragment (see
+/// `fragment`).
+#[map]
+pub static FRAGMENTS: LruHashMap<FragmentKey, FragmentPorts> = LruHashMap::with_max_entries(MAX_FRAGMENTS, 0);
+
 /// `tc_reject` and `tc_reject6` (`REJECT_PROG_*`).
 #[map]
 pub static REJECT_PROGRAMS: ProgramArray = ProgramArray::pinned(REJECT_PROG_COUNT, 0);

@@ -53,7 +53,10 @@ fn rewrite(
     let is_sctp = pkt.proto == IPPROTO_SCTP;
     let (old_octets, new_octets) = (old_addr.v4_octets(), new_addr.v4_octets());
     let addr_changes = old_octets != new_octets;
-    let port_changes = old_port != new_port;
+    // A later fragment has no L4 header: its first carried the ports and
+    // the checksum (see `fragment`).
+    let l4 = !pkt.later_fragment();
+    let port_changes = old_port != new_port && l4;
     // The direct writes come first: the helpers below may move the packet.
     if addr_changes {
         let field = read(ctx, pkt.l3_off + IP_CSUM_OFF)?;
@@ -64,7 +67,7 @@ fn rewrite(
         write(ctx, pkt.l4_off + port_field, new_port)?;
     }
     // SCTP's CRC32c has no pseudo-header: an address change leaves it alone.
-    if addr_changes && !is_sctp {
+    if addr_changes && !is_sctp && l4 {
         let (old_ip, new_ip) = (u32::from_ne_bytes(old_octets), u32::from_ne_bytes(new_octets));
         ctx.l4_csum_replace(pkt.l4_csum_off, old_ip as u64, new_ip as u64, l4_flags | BPF_F_PSEUDO_HDR as u64 | 4)?;
     }

@@ -40,9 +40,11 @@ fn rewrite(
     // IPv6 forbids).
     let l4_flags = if pkt.proto == IPPROTO_UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
     let is_sctp = pkt.proto == IPPROTO_SCTP;
+    // A later fragment has no L4 header (see `fragment`).
+    let l4 = !pkt.later_fragment();
     if old_addr != new_addr {
         // SCTP's CRC32c has no pseudo-header: an address change leaves it alone.
-        if !is_sctp {
+        if !is_sctp && l4 {
             for i in 0..4 {
                 let old = word(old_addr, i);
                 let new = word(new_addr, i);
@@ -53,7 +55,7 @@ fn rewrite(
         }
         ctx.store(pkt.l3_off + ip_field, &new_addr.0, 0)?;
     }
-    if old_port != new_port {
+    if old_port != new_port && l4 {
         if is_sctp {
             return sctp::rewrite_port(ctx, pkt, port_field, old_port, new_port);
         }

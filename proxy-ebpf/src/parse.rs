@@ -1,5 +1,6 @@
 //! Header parsing with bounds checks. Anything we cannot fully read — short,
-//! malformed, fragmented, not IPv4 TCP/UDP/SCTP — is reported, never guessed at.
+//! malformed, not IPv4 TCP/UDP/SCTP — is reported, never guessed at; so is
+//! a fragment, except to the fragment programs (`parse_fragment`).
 //! IPv6 is parsed in `parse6`, by the IPv6 programs.
 //!
 //! The headers are read straight from the packet (direct packet access),
@@ -8,11 +9,14 @@
 //! in first.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
+
+use crate::fragment;
 
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
 const IP_MF_AND_OFFSET: u16 = 0x3fff;
+const IP_OFFSET: u16 = 0x1fff;
 /// The most `parse` reads: Ethernet, IPv4 with the longest options, TCP.
 const MAX_HEADERS: usize = ETH_HLEN + 60 + 20;
 
@@ -32,6 +36,10 @@ pub struct Packet {
     pub tcp_flags: u8,
     /// An IPv6 packet: the addresses are 16 bytes at `parse6`'s offsets.
     pub v6: bool,
+    /// `fragment::NOT_FRAGMENT`, `FIRST` or `LATER`. A later fragment has no
+    /// L4 header: its ports are its first's, `l4_csum_off` is 0 and
+    /// `tcp_flags` 0.
+    pub fragment: u8,
 }
 
 /// Offsets in the TCP header of the sequence and acknowledgement numbers.
@@ -70,6 +78,12 @@ impl Packet {
         self.proto == IPPROTO_TCP && self.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN | TCP_ACK
     }
 
+    /// A fragment after the first: no L4 header to read or rewrite.
+    #[inline(always)]
+    pub fn later_fragment(&self) -> bool {
+        self.fragment == fragment::LATER
+    }
+
     /// A TCP FIN or RST: this direction of the connection is ending.
     #[inline(always)]
     pub fn closes_connection(&self) -> bool {
@@ -92,6 +106,19 @@ pub fn read<T: Copy>(ctx: &TcContext, off: usize) -> Option<T> {
 // the kernel's 512 bytes.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
+    parse_with::<false>(ctx)
+}
+
+/// As `parse`, for the fragment programs: a first fragment is parsed as a
+/// datagram and its ports remembered; a later one takes them (see
+/// `fragment`).
+#[inline(always)]
+pub fn parse_fragment(ctx: &TcContext) -> Result<Packet, Counter> {
+    parse_with::<true>(ctx)
+}
+
+#[inline(always)]
+fn parse_with<const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter> {
     let ethertype = u16::from_be(read::<u16>(ctx, 12).ok_or(Counter::Malformed)?);
     if ethertype != ETH_P_IP {
         return Err(Counter::Passed);
@@ -112,12 +139,19 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
         return Err(Counter::Malformed);
     }
     let frag = u16::from_be(read::<u16>(ctx, l3_off + 6).ok_or(Counter::Malformed)?);
-    if frag & IP_MF_AND_OFFSET != 0 {
-        // Only the first fragment carries ports; translating it alone would
-        // split the datagram across two destinations.
+    let fragment = match frag {
+        f if f & IP_MF_AND_OFFSET == 0 => fragment::NOT_FRAGMENT,
+        // Only the first fragment carries ports: the fragment programs
+        // follow the datagram (`fragment`).
+        _ if !FRAGMENTS => return Err(Counter::Fragment),
+        f if f & IP_OFFSET == 0 => fragment::FIRST,
+        _ => fragment::LATER,
+    };
+    let proto: u8 = read(ctx, l3_off + 9).ok_or(Counter::Malformed)?;
+    // SCTP's CRC covers the whole packet, which a fragment is not.
+    if FRAGMENTS && fragment != fragment::NOT_FRAGMENT && proto == IPPROTO_SCTP {
         return Err(Counter::Fragment);
     }
-    let proto: u8 = read(ctx, l3_off + 9).ok_or(Counter::Malformed)?;
     let (l4_hlen, csum_field) = match proto {
         IPPROTO_TCP => (20, 16),
         IPPROTO_UDP => (8, 6),
@@ -125,6 +159,24 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
         _ => return Err(Counter::Passed),
     };
     let l4_off = l3_off + ihl;
+    if FRAGMENTS && fragment == fragment::LATER {
+        let src: [u8; 4] = read(ctx, l3_off + 12).ok_or(Counter::Malformed)?;
+        let dst: [u8; 4] = read(ctx, l3_off + 16).ok_or(Counter::Malformed)?;
+        let id = u16::from_be(read::<u16>(ctx, l3_off + 4).ok_or(Counter::Malformed)?);
+        let key = fragment::key(Addr::from_v4_octets(src), Addr::from_v4_octets(dst), id as u32, proto);
+        let ports = fragment::ports_of(&key).ok_or(Counter::Fragment)?;
+        return Ok(Packet {
+            tuple: v4_tuple(src, dst, ports.sport, ports.dport, proto),
+            l3_off,
+            l4_off,
+            l4_csum_off: 0,
+            l4_end: l3_off + total_len,
+            proto,
+            tcp_flags: 0,
+            v6: false,
+            fragment,
+        });
+    }
     if l4_off + l4_hlen > l3_off + total_len {
         return Err(Counter::Malformed);
     }
@@ -137,6 +189,10 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
         IPPROTO_SCTP => crate::sctp::opening_flags(read(ctx, l4_off + crate::sctp::COMMON_HEADER_LEN)),
         _ => 0,
     };
+    if FRAGMENTS && fragment == fragment::FIRST {
+        let id = u16::from_be(read::<u16>(ctx, l3_off + 4).ok_or(Counter::Malformed)?);
+        fragment::remember(&fragment::key(Addr::from_v4_octets(src), Addr::from_v4_octets(dst), id as u32, proto), sport, dport);
+    }
     Ok(Packet {
         tuple: v4_tuple(src, dst, sport, dport, proto),
         l3_off,
@@ -146,6 +202,7 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
         proto,
         tcp_flags,
         v6: false,
+        fragment,
     })
 }
 

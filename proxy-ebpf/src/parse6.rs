@@ -1,7 +1,7 @@
 //! IPv6 header parsing. Only a fixed 40-byte header followed directly by
-//! TCP, UDP or SCTP is translated: a packet with extension headers (and so
-//! every fragment, which carries a Fragment header) is reported and left to
-//! the kernel, as an IPv4 fragment is.
+//! TCP, UDP or SCTP is translated, or, by the fragment programs
+//! (`parse_fragment`), by a Fragment header and then those: a packet with
+//! other extension headers is reported and left to the kernel.
 
 use aya_ebpf::{EbpfContext, helpers::bpf_skb_load_bytes, programs::TcContext};
 use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
@@ -17,6 +17,7 @@ pub const DST_OFF: usize = 24;
 /// Next-header values that announce an extension header (RFC 8200 4.1 and
 /// the IANA list), the Fragment header apart.
 const NEXTHDR_FRAGMENT: u8 = 44;
+const FRAGMENT_HLEN: usize = 8;
 const NEXTHDR_HOP: u8 = 0;
 const NEXTHDR_ROUTING: u8 = 43;
 const NEXTHDR_ESP: u8 = 50;
@@ -30,7 +31,15 @@ const NEXTHDR_SHIM6: u8 = 140;
 /// tail call, so neither program's stack holds the other's packet.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
-    parse_with::<false>(ctx)
+    parse_with::<false, false>(ctx)
+}
+
+/// As `parse`, for the fragment programs: after a Fragment header, a first
+/// fragment is parsed as a datagram and its ports remembered; a later one
+/// takes them (see `fragment`).
+#[inline(always)]
+pub fn parse_fragment(ctx: &TcContext) -> Result<Packet, Counter> {
+    parse_with::<false, true>(ctx)
 }
 
 /// As `parse`, the addresses loaded straight into the returned packet: 32
@@ -39,11 +48,11 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
 /// is a constant, so code that dispatches on it keeps its IPv4 branch.
 #[inline(always)]
 pub fn parse_in_place(ctx: &TcContext) -> Result<Packet, Counter> {
-    parse_with::<true>(ctx)
+    parse_with::<true, false>(ctx)
 }
 
 #[inline(always)]
-fn parse_with<const IN_PLACE: bool>(ctx: &TcContext) -> Result<Packet, Counter> {
+fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter> {
     // skb->protocol sent the frame here; the frame itself must agree (a
     // VLAN tag, say, would put other bytes where the header is read).
     let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| Counter::Malformed)?);
@@ -56,12 +65,43 @@ fn parse_with<const IN_PLACE: bool>(ctx: &TcContext) -> Result<Packet, Counter> 
         return Err(Counter::Malformed);
     }
     let payload_len = u16::from_be(ctx.load::<u16>(l3_off + 4).map_err(|_| Counter::Malformed)?) as usize;
-    let l4_off = l3_off + IPV6_HLEN;
+    let mut l4_off = l3_off + IPV6_HLEN;
     let l4_end = l4_off + payload_len;
     if l4_end > ctx.len() as usize {
         return Err(Counter::Malformed);
     }
-    let proto: u8 = ctx.load(l3_off + 6).map_err(|_| Counter::Malformed)?;
+    let mut proto: u8 = ctx.load(l3_off + 6).map_err(|_| Counter::Malformed)?;
+    let mut fragment = crate::fragment::NOT_FRAGMENT;
+    let mut id = 0;
+    if FRAGMENTS && proto == NEXTHDR_FRAGMENT {
+        // Next header, reserved, offset (13 bits) with M in bit 0, ID.
+        let header: [u8; 8] = ctx.load(l4_off).map_err(|_| Counter::Malformed)?;
+        proto = header[0];
+        let offset = u16::from_be_bytes([header[2], header[3]]) & !0x7;
+        id = u32::from_be_bytes([header[4], header[5], header[6], header[7]]);
+        l4_off += FRAGMENT_HLEN;
+        fragment = if offset == 0 { crate::fragment::FIRST } else { crate::fragment::LATER };
+        // SCTP's CRC covers the whole packet, which a fragment is not.
+        if proto == IPPROTO_SCTP {
+            return Err(Counter::Fragment);
+        }
+        if fragment == crate::fragment::LATER {
+            let src = Addr(ctx.load(l3_off + SRC_OFF).map_err(|_| Counter::Malformed)?);
+            let dst = Addr(ctx.load(l3_off + DST_OFF).map_err(|_| Counter::Malformed)?);
+            let ports = crate::fragment::ports_of(&crate::fragment::key(src, dst, id, proto)).ok_or(Counter::Fragment)?;
+            return Ok(Packet {
+                tuple: CtKey { src, dst, sport: ports.sport, dport: ports.dport, proto, _pad: [0; 3] },
+                l3_off,
+                l4_off,
+                l4_csum_off: 0,
+                l4_end,
+                proto,
+                tcp_flags: 0,
+                v6: true,
+                fragment,
+            });
+        }
+    }
     let (l4_hlen, csum_field) = match proto {
         IPPROTO_TCP => (20, 16),
         IPPROTO_UDP => (8, 6),
@@ -92,6 +132,7 @@ fn parse_with<const IN_PLACE: bool>(ctx: &TcContext) -> Result<Packet, Counter> 
         proto,
         tcp_flags,
         v6: true,
+        fragment,
     };
     if IN_PLACE {
         load_addr(ctx, l3_off + SRC_OFF, &mut pkt.tuple.src)?;
@@ -99,6 +140,9 @@ fn parse_with<const IN_PLACE: bool>(ctx: &TcContext) -> Result<Packet, Counter> 
     } else {
         pkt.tuple.src = Addr(ctx.load(l3_off + SRC_OFF).map_err(|_| Counter::Malformed)?);
         pkt.tuple.dst = Addr(ctx.load(l3_off + DST_OFF).map_err(|_| Counter::Malformed)?);
+    }
+    if FRAGMENTS && fragment == crate::fragment::FIRST {
+        crate::fragment::remember(&crate::fragment::key(pkt.tuple.src, pkt.tuple.dst, id, proto), sport, dport);
     }
     Ok(pkt)
 }

@@ -36,11 +36,12 @@ pub const TC_TRACE: &str = "tc_trace";
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 /// Every map the agent pins, by name.
-pub const PINNED_MAPS: [&str; 23] = [
+pub const PINNED_MAPS: [&str; 24] = [
     MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS, MAP_SNAT,
     MAP_SNAT_ADDRS, MAP_CLUSTER_CIDRS, MAP_SERVICE_CIDRS, MAP_SOURCE_RANGES, MAP_AFFINITY, MAP_SOCK_REVNAT,
     MAP_BACKENDS_EPOCH, MAP_IPV6_PROGRAMS, MAP_NODE_SNAT, MAP_HOST_NETNS, MAP_NODE_PROGRAMS,
     MAP_NODE6_PROGRAMS, MAP_REJECT_PROGRAMS, MAP_CT_UNCONFIRMED, MAP_SNAT_UNCONFIRMED, MAP_ICMP_PROGRAMS,
+    MAP_FRAGMENT_PROGRAMS,
 ];
 
 /// The programs each TC program hands packets to by tail call, with the
@@ -51,8 +52,9 @@ pub const PINNED_MAPS: [&str; 23] = [
 /// replies to `tc_ingress_node_reply`; the IPv6 programs the same to their
 /// `6` counterparts. Either hands a packet to REJECT to `tc_reject(6)`
 /// (loaded with ingress, which is always loaded), and ICMP packets to
-/// `tc_icmp_error_in(6)` or `tc_icmp_error_out(6)`.
-const TAIL_CALLED: [(&str, &str, &str, u32); 16] = [
+/// `tc_icmp_error_in(6)` or `tc_icmp_error_out(6)`, and IP fragments to
+/// `tc_ingress_fragment(6)` or `tc_egress_fragment(6)`.
+const TAIL_CALLED: [(&str, &str, &str, u32); 20] = [
     (TC_INGRESS, "tc_ingress6", MAP_IPV6_PROGRAMS, IPV6_PROG_INGRESS),
     (TC_INGRESS, "tc_ingress_node_reply", MAP_NODE_PROGRAMS, NODE_PROG_INGRESS_REPLY),
     (TC_EGRESS, "tc_egress6", MAP_IPV6_PROGRAMS, IPV6_PROG_EGRESS),
@@ -68,6 +70,10 @@ const TAIL_CALLED: [(&str, &str, &str, u32); 16] = [
     (TC_INGRESS, "tc_icmp_error_in6", MAP_ICMP_PROGRAMS, ICMP_PROG_INGRESS6),
     (TC_EGRESS, "tc_icmp_error_out", MAP_ICMP_PROGRAMS, ICMP_PROG_EGRESS),
     (TC_EGRESS, "tc_icmp_error_out6", MAP_ICMP_PROGRAMS, ICMP_PROG_EGRESS6),
+    (TC_INGRESS, "tc_ingress_fragment", MAP_FRAGMENT_PROGRAMS, FRAGMENT_PROG_INGRESS),
+    (TC_INGRESS, "tc_ingress_fragment6", MAP_FRAGMENT_PROGRAMS, FRAGMENT_PROG_INGRESS6),
+    (TC_EGRESS, "tc_egress_fragment", MAP_FRAGMENT_PROGRAMS, FRAGMENT_PROG_EGRESS),
+    (TC_EGRESS, "tc_egress_fragment6", MAP_FRAGMENT_PROGRAMS, FRAGMENT_PROG_EGRESS6),
     (TC_TRACE, "tc_trace6", MAP_IPV6_PROGRAMS, IPV6_PROG_TRACE),
 ];
 

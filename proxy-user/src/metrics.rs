@@ -263,7 +263,7 @@ fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64
 type EntryCounter = fn(&Path, &str) -> Result<u64>;
 
 /// How to count the entries of each pinned map: by its key and value types.
-const ENTRY_COUNTERS: [(&str, EntryCounter); 23] = {
+const ENTRY_COUNTERS: [(&str, EntryCounter); 24] = {
     use proxy_common::*;
     [
         (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>),
@@ -291,13 +291,17 @@ const ENTRY_COUNTERS: [(&str, EntryCounter); 23] = {
         (MAP_NODE6_PROGRAMS, |_, _| Ok(u64::from(NODE6_PROG_COUNT))),
         (MAP_REJECT_PROGRAMS, |_, _| Ok(u64::from(REJECT_PROG_COUNT))),
         (MAP_ICMP_PROGRAMS, |_, _| Ok(u64::from(ICMP_PROG_COUNT))),
+        (MAP_FRAGMENT_PROGRAMS, |_, _| Ok(u64::from(FRAGMENT_PROG_COUNT))),
     ]
 };
 
 /// The pinned maps that are arrays: full from the start, never filling.
-pub const ARRAY_MAPS: [&str; 6] = {
+pub const ARRAY_MAPS: [&str; 10] = {
     use proxy_common::*;
-    [MAP_COUNTERS, MAP_BACKENDS_EPOCH, MAP_NODE_SNAT, MAP_HOST_NETNS, MAP_IPV6_PROGRAMS, MAP_NODE_PROGRAMS]
+    [
+        MAP_COUNTERS, MAP_BACKENDS_EPOCH, MAP_NODE_SNAT, MAP_HOST_NETNS, MAP_IPV6_PROGRAMS, MAP_NODE_PROGRAMS,
+        MAP_NODE6_PROGRAMS, MAP_REJECT_PROGRAMS, MAP_ICMP_PROGRAMS, MAP_FRAGMENT_PROGRAMS,
+    ]
 };
 
 /// (map, entries, capacity) for every pinned map under `root`; entries are
@@ -396,13 +400,14 @@ impl Collector for Dataplane {
             }
         };
         encode_conntrack(&mut encoder, &fill, &counters)?;
+        encode_fragments(&mut encoder, &counters)?;
         let mut enc = encoder.encode_descriptor(
             "ebpf_proxy_packets",
             "Packets seen by the datapath (summed over CPUs), by verdict and its reason",
             None,
             MetricType::Counter,
         )?;
-        for (i, value) in counters.iter().enumerate().filter(|(i, _)| !CONNTRACK_COUNTERS.contains(i)) {
+        for (i, value) in counters.iter().enumerate().filter(|(i, _)| !NOT_VERDICTS.contains(i)) {
             let (verdict, reason) = verdict_of(i);
             let labels = [("verdict", verdict), ("reason", reason)];
             ConstCounter::new(*value).encode(enc.encode_family(&labels)?)?;
@@ -412,8 +417,29 @@ impl Collector for Dataplane {
 }
 
 /// Counters that are not packet verdicts: conntrack's own, shown by
-/// `encode_conntrack`.
-const CONNTRACK_COUNTERS: [usize; 2] = [DpCounter::CtPromoted as usize, DpCounter::CtReleased as usize];
+/// `encode_conntrack`, and the fragments', by `encode_fragments`.
+const NOT_VERDICTS: [usize; 4] = [
+    DpCounter::CtPromoted as usize,
+    DpCounter::CtReleased as usize,
+    DpCounter::FragmentFirst as usize,
+    DpCounter::FragmentFollowed as usize,
+];
+
+/// IP fragments the datapath followed: first fragments whose ports it
+/// remembered, later ones that took them. (Those it could not follow are
+/// packets `passed` for reason `fragment`.)
+fn encode_fragments(encoder: &mut DescriptorEncoder, counters: &[u64]) -> std::fmt::Result {
+    let mut enc = encoder.encode_descriptor(
+        "ebpf_proxy_fragments",
+        "IP fragments followed: first fragments whose ports were remembered, later ones that took them",
+        None,
+        MetricType::Counter,
+    )?;
+    for (kind, counter) in [("first", DpCounter::FragmentFirst), ("later", DpCounter::FragmentFollowed)] {
+        ConstCounter::new(counters[counter as usize]).encode(enc.encode_family(&[("fragment", kind)])?)?;
+    }
+    Ok(())
+}
 
 /// Confirmed and unconfirmed entries, and the confirmed entries the LRU
 /// evicted: every entry that reached CONNTRACK (`ct_promoted`) is still

@@ -165,3 +165,59 @@ fn recheck_l4(what: &str, net: &Option<NetHeaders>, transport: &Option<Transport
     let sum = sum.map_err(|e| e.to_string())?;
     if got != sum { Err(format!("{what}{name} checksum {got:#06x}, recomputed {sum:#06x}")) } else { Ok(()) }
 }
+
+/// An Ethernet frame's IP datagram (IPv4 without options, or IPv6 with no
+/// extension header) cut into fragments of `chunk` payload bytes (a multiple
+/// of 8) with IP ID `id`, as a router or the sender's stack cuts it: IPv4
+/// headers with MF and the offset (and their checksum), or an IPv6 Fragment
+/// header after the fixed one. The L4 header and checksum stay in the first.
+pub fn fragments(frame: &[u8], chunk: usize, id: u32) -> Vec<Vec<u8>> {
+    assert!(chunk.is_multiple_of(8), "fragment payloads are multiples of 8 bytes");
+    const ETH: usize = 14;
+    let v6 = frame[ETH] >> 4 == 6;
+    let ip_hlen = if v6 { 40 } else { 20 };
+    assert!(v6 || frame[ETH] & 0x0f == 5, "IPv4 options are not cut here");
+    let (head, payload) = frame.split_at(ETH + ip_hlen);
+    let count = payload.len().div_ceil(chunk);
+    (0..count)
+        .map(|i| {
+            let part = &payload[i * chunk..payload.len().min((i + 1) * chunk)];
+            let more = i + 1 < count;
+            let offset = (i * chunk / 8) as u16;
+            let mut f = head.to_vec();
+            if v6 {
+                let next = f[ETH + 6];
+                f[ETH + 6] = 44;
+                f[ETH + 4..ETH + 6].copy_from_slice(&((8 + part.len()) as u16).to_be_bytes());
+                f.extend_from_slice(&[next, 0]);
+                f.extend_from_slice(&((offset << 3) | more as u16).to_be_bytes());
+                f.extend_from_slice(&id.to_be_bytes());
+            } else {
+                let ip = &mut f[ETH..ETH + 20];
+                ip[2..4].copy_from_slice(&((20 + part.len()) as u16).to_be_bytes());
+                ip[4..6].copy_from_slice(&(id as u16).to_be_bytes());
+                ip[6..8].copy_from_slice(&(((more as u16) << 13) | offset).to_be_bytes());
+                ip[10..12].copy_from_slice(&[0, 0]);
+                let sum = Ipv4Header::from_slice(ip).unwrap().0.calc_header_checksum();
+                ip[10..12].copy_from_slice(&sum.to_be_bytes());
+            }
+            f.extend_from_slice(part);
+            f
+        })
+        .collect()
+}
+
+/// The checks `recheck_checksums` can make of a fragment, which holds only
+/// a part of its datagram: the IPv4 header checksum (the L4 checksum, over
+/// the whole datagram, is checked by comparing the fragments with those of
+/// a datagram etherparse built).
+pub fn recheck_fragment(out: &[u8], _want: &[u8]) -> Result<(), String> {
+    if out.len() < 34 || out[14] >> 4 != 4 {
+        return Ok(());
+    }
+    let (ip, _) = Ipv4Header::from_slice(&out[14..]).map_err(|e| format!("output does not parse: {e}"))?;
+    if ip.header_checksum != ip.calc_header_checksum() {
+        return Err(format!("IPv4 header checksum {:#06x}, recomputed {:#06x}", ip.header_checksum, ip.calc_header_checksum()));
+    }
+    Ok(())
+}

@@ -1,6 +1,6 @@
 //! Sample Kubernetes objects for the demo and the tests.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 pub const TCP_PORT: u16 = 80;
 pub const TCP_TARGET: u16 = 8080;
@@ -84,5 +84,23 @@ endpoints:
   conditions: {{ready: true}}
   nodeName: node-a
 "#
+    )
+}
+
+/// A single-stack Service `demo/NAME` on `vip`: `port`/`proto` to `target`
+/// on `backend` (on node-a); a NodePort on `node_port` if given.
+pub fn one_port_service(name: &str, vip: IpAddr, port: u16, target: u16, proto: &str, backend: IpAddr, node_port: Option<u16>) -> String {
+    let family = if vip.is_ipv4() { "IPv4" } else { "IPv6" };
+    let (kind, node_port) = match node_port {
+        Some(p) => ("NodePort", format!(", nodePort: {p}")),
+        None => ("ClusterIP", String::new()),
+    };
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: demo}}\nspec:\n  type: {kind}\n  clusterIP: \"{vip}\"\n  \
+         ipFamilies: [{family}]\n  ports: [{{name: p, port: {port}, targetPort: {target}{node_port}, protocol: {proto}}}]\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+         metadata: {{name: {name}-1, namespace: demo, labels: {{kubernetes.io/service-name: {name}}}}}\n\
+         addressType: {family}\nports: [{{name: p, port: {target}, protocol: {proto}}}]\n\
+         endpoints: [{{addresses: [\"{backend}\"], nodeName: node-a}}]\n"
     )
 }

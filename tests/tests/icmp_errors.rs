@@ -25,7 +25,7 @@ use proxy_tests::{
     bpffs::Bpffs,
     echo::udp_request_connected,
     is_root,
-    manifests::echo_node_port_service,
+    manifests::{echo_node_port_service, one_port_service},
     topology::Node,
 };
 
@@ -49,18 +49,9 @@ const FAR_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 const FAR_VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x20);
 const HOP_MTU: u32 = 1400;
 
-/// A single-stack Service `demo/NAME` on `vip`: `port`/`proto` to
-/// `target` on `backend`.
+/// A single-stack ClusterIP Service (see `one_port_service`).
 fn service(name: &str, vip: IpAddr, port: u16, target: u16, proto: &str, backend: IpAddr) -> String {
-    let family = if vip.is_ipv4() { "IPv4" } else { "IPv6" };
-    format!(
-        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: demo}}\nspec:\n  clusterIP: \"{vip}\"\n  \
-         ipFamilies: [{family}]\n  ports: [{{name: p, port: {port}, targetPort: {target}, protocol: {proto}}}]\n---\n\
-         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
-         metadata: {{name: {name}-1, namespace: demo, labels: {{kubernetes.io/service-name: {name}}}}}\n\
-         addressType: {family}\nports: [{{name: p, port: {target}, protocol: {proto}}}]\n\
-         endpoints: [{{addresses: [\"{backend}\"], nodeName: node-a}}]\n"
-    )
+    one_port_service(name, vip, port, target, proto, backend, None)
 }
 
 fn expect_refused(result: std::io::Result<proxy_tests::echo::Reply>, what: &str) -> Result<()> {

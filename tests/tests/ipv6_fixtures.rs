@@ -193,9 +193,10 @@ fn untouched_cases() -> Vec<Case> {
         Case::untouched("TCP -> [fd00:10:96::99]:80, no such service", tcp_syn((CLIENT, 40000), (NOWHERE, 80)), Counter::Passed),
         Case::untouched("UDP -> [fd00:10:96::10]:80, service port but not its protocol", udp((CLIENT, 40000), (VIP, 80), b"x"), Counter::Passed),
         Case::untouched("ICMPv6 echo -> fd00:10:96::10", icmpv6_echo(CLIENT, VIP), Counter::Passed),
+        // (Fragments that follow their first: fragment_fixtures.rs.)
         Case::untouched(
-            "TCP SYN -> [fd00:10:96::10]:80 behind a Fragment header (first fragment, M set)",
-            with_extension_header(&syn, NEXTHDR_FRAGMENT, [0, 0, 0, 1, 0, 0, 0x12, 0x34]),
+            "a later fragment (offset 1480) -> fd00:10:96::10, its first not seen",
+            with_extension_header(&syn, NEXTHDR_FRAGMENT, [0, 0, 0x05, 0xc8, 0, 0, 0x12, 0x34]),
             Counter::Fragment,
         ),
         Case::untouched(
