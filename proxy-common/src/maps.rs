@@ -550,7 +550,9 @@ pub const FRAGMENT_PROG_INGRESS: u32 = 0;
 pub const FRAGMENT_PROG_INGRESS6: u32 = 1;
 pub const FRAGMENT_PROG_EGRESS: u32 = 2;
 pub const FRAGMENT_PROG_EGRESS6: u32 = 3;
-pub const FRAGMENT_PROG_COUNT: u32 = 4;
+/// `tc_masquerade6`'s, from it.
+pub const FRAGMENT_PROG_MASQUERADE6: u32 = 4;
+pub const FRAGMENT_PROG_COUNT: u32 = 5;
 
 /// An IP datagram as its fragments share it: addresses, protocol and IP ID
 /// (IPv4's 16 bits, or the IPv6 Fragment header's 32).

@@ -1,4 +1,7 @@
-//! IP fragments. Only a datagram's first fragment carries its ports, so the
+//! IP fragments of UDP datagrams (the fragmented traffic there is: large DNS
+//! answers, UDP tunnels; TCP and SCTP size their packets to the path MTU
+//! and send them unfragmented, so their rare fragments are passed untouched
+//! and counted). Only a datagram's first fragment carries its ports, so the
 //! ports are remembered by the datagram (addresses, protocol, IP ID) and its
 //! later fragments take them: each then finds the flow its first found and
 //! gets the same translation, as Cilium's fragment map does. A later
@@ -8,20 +11,49 @@
 //!
 //! Fragments reach this only through the fragment programs
 //! (`FRAGMENT_PROGRAMS`), which ingress and egress tail-call when their
-//! parse meets one: packets that are not fragments pay nothing.
+//! parse meets one: packets that are not fragments pay nothing. The key is
+//! built in a per-CPU slot, off the stack: those programs are the regular
+//! ones plus this, and the regular ones are near the older verifiers' limit.
 
+use aya_ebpf::{EbpfContext, helpers::bpf_skb_load_bytes, programs::TcContext};
 use proxy_common::{Addr, Counter, FragmentKey, FragmentPorts};
 
-use crate::maps::{FRAGMENTS, count};
+use crate::maps::{FRAGMENT_KEY, FRAGMENTS, count};
 
 /// Where a packet stands in its datagram (`Packet::fragment`).
 pub const NOT_FRAGMENT: u8 = 0;
 pub const FIRST: u8 = 1;
 pub const LATER: u8 = 2;
 
+/// An IPv4 datagram's key.
 #[inline(always)]
-pub fn key(src: Addr, dst: Addr, id: u32, proto: u8) -> FragmentKey {
-    FragmentKey { src, dst, id, proto, _pad: [0; 3] }
+pub fn key_v4(src: [u8; 4], dst: [u8; 4], id: u16, proto: u8) -> Option<&'static FragmentKey> {
+    let key = unsafe { &mut *FRAGMENT_KEY.get_ptr_mut(0)? };
+    key.src = Addr::from_v4_octets(src);
+    key.dst = Addr::from_v4_octets(dst);
+    key.id = id as u32;
+    key.proto = proto;
+    key._pad = [0; 3];
+    Some(key)
+}
+
+/// An IPv6 datagram's key: its addresses read from the header at `l3_off`
+/// straight into the slot.
+#[inline(always)]
+pub fn key_v6(ctx: &TcContext, l3_off: usize, id: u32, proto: u8) -> Option<&'static FragmentKey> {
+    let key = unsafe { &mut *FRAGMENT_KEY.get_ptr_mut(0)? };
+    load16(ctx, l3_off + crate::parse6::SRC_OFF, &mut key.src)?;
+    load16(ctx, l3_off + crate::parse6::DST_OFF, &mut key.dst)?;
+    key.id = id;
+    key.proto = proto;
+    key._pad = [0; 3];
+    Some(key)
+}
+
+#[inline(always)]
+fn load16(ctx: &TcContext, off: usize, addr: &mut Addr) -> Option<()> {
+    let dst = addr.0.as_mut_ptr() as *mut core::ffi::c_void;
+    (unsafe { bpf_skb_load_bytes(ctx.as_ptr(), off as u32, dst, 16) } == 0).then_some(())
 }
 
 /// A first fragment's ports, for the fragments that follow it.

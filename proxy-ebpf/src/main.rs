@@ -49,7 +49,7 @@ mod program {
     use aya_ebpf::{bindings::BPF_F_INGRESS, helpers::bpf_redirect};
     use proxy_common::{
         CT_CONFIRM_ON_REPLY, CT_LOOPBACK, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_PENDING, CT_REPLY, Counter,
-        FRAGMENT_PROG_EGRESS, FRAGMENT_PROG_EGRESS6, FRAGMENT_PROG_INGRESS, FRAGMENT_PROG_INGRESS6,
+        FRAGMENT_PROG_EGRESS, FRAGMENT_PROG_EGRESS6, FRAGMENT_PROG_INGRESS, FRAGMENT_PROG_INGRESS6, FRAGMENT_PROG_MASQUERADE6,
         ICMP_PROG_EGRESS, ICMP_PROG_EGRESS6, ICMP_PROG_INGRESS, ICMP_PROG_INGRESS6, IPPROTO_TCP, IPV6_PROG_EGRESS,
         IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, LOOPBACK_IFINDEX,
         MASQUERADE_MARK, NODE_PROG_EGRESS, NODE_PROG_FLOW, NODE_PROG_INGRESS_REPLY, NODE6_PROG_EGRESS, NODE6_PROG_FLOW,
@@ -397,16 +397,34 @@ mod program {
     /// reverse-NAT path in the same frame the stack would pass 512 bytes.
     #[classifier]
     pub fn tc_masquerade6(ctx: TcContext) -> i32 {
+        // Written out, not shared with tc_masquerade_fragment6 through a
+        // function: every shared form tried took LLVM 56-64 bytes more
+        // stack here, past what Linux 6.1 allows.
         let pkt = match parse6::parse_in_place(&ctx) {
             Ok(pkt) => pkt,
             Err(Counter::Fragment) => {
-                // tc_egress_fragment6, which starts over: with the mark.
-                ctx.set_mark(skb::mark(&ctx) | MASQUERADE_MARK);
-                let _ = unsafe { FRAGMENT_PROGRAMS.tail_call(&ctx, FRAGMENT_PROG_EGRESS6) };
+                let _ = unsafe { FRAGMENT_PROGRAMS.tail_call(&ctx, FRAGMENT_PROG_MASQUERADE6) };
                 return NOT_OURS;
             }
             Err(_) => return NOT_OURS,
         };
+        let Some((addr, port)) = masquerade::source_for(&ctx, &pkt) else {
+            count(Counter::SnatFailed);
+            return NOT_OURS;
+        };
+        match nat6::rewrite_src(&ctx, &pkt, &addr, port) {
+            Ok(()) => TC_ACT_OK as i32,
+            Err(_) => {
+                count(Counter::RewriteFailed);
+                DROP
+            }
+        }
+    }
+
+    /// `tc_masquerade6` for IP fragments, reached by tail call from it.
+    #[classifier]
+    pub fn tc_masquerade_fragment6(ctx: TcContext) -> i32 {
+        let Ok(pkt) = parse6::parse_fragment_in_place(&ctx) else { return NOT_OURS };
         let Some((addr, port)) = masquerade::source_for(&ctx, &pkt) else {
             count(Counter::SnatFailed);
             return NOT_OURS;
@@ -457,9 +475,13 @@ mod program {
             return to_ipv6::<false>(ctx, IPV6_PROG_EGRESS);
         }
         ctx.set_mark(mark & !(MASQUERADE_MARK | REVERSE_NAT_MARK));
-        // (The fragment program masquerades inline: it has the stack.)
-        if V6 && !FRAGMENTS && mark & MASQUERADE_MARK != 0 {
-            let _ = unsafe { IPV6_PROGRAMS.tail_call(ctx, IPV6_PROG_MASQUERADE) };
+        if V6 && mark & MASQUERADE_MARK != 0 {
+            // tc_masquerade6, or for a fragment its fragment build.
+            let _ = if FRAGMENTS {
+                unsafe { FRAGMENT_PROGRAMS.tail_call(ctx, FRAGMENT_PROG_MASQUERADE6) }
+            } else {
+                unsafe { IPV6_PROGRAMS.tail_call(ctx, IPV6_PROG_MASQUERADE) }
+            };
             count(Counter::SnatFailed);
             return NOT_OURS;
         }

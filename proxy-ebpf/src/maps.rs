@@ -121,6 +121,10 @@ pub static FRAGMENT_PROGRAMS: ProgramArray = ProgramArray::pinned(FRAGMENT_PROG_
 #[map]
 pub static FRAGMENTS: LruHashMap<FragmentKey, FragmentPorts> = LruHashMap::with_max_entries(MAX_FRAGMENTS, 0);
 
+/// Room to build a FRAGMENTS key off the stack; per CPU.
+#[map]
+pub static FRAGMENT_KEY: PerCpuArray<FragmentKey> = PerCpuArray::with_max_entries(1, 0);
+
 /// `tc_reject` and `tc_reject6` (`REJECT_PROG_*`).
 #[map]
 pub static REJECT_PROGRAMS: ProgramArray = ProgramArray::pinned(REJECT_PROG_COUNT, 0);

@@ -9,7 +9,7 @@
 //! in first.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::fragment;
 
@@ -148,10 +148,17 @@ fn parse_with<const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter>
         _ => fragment::LATER,
     };
     let proto: u8 = read(ctx, l3_off + 9).ok_or(Counter::Malformed)?;
-    // SCTP's CRC covers the whole packet, which a fragment is not.
-    if FRAGMENTS && fragment != fragment::NOT_FRAGMENT && proto == IPPROTO_SCTP {
-        return Err(Counter::Fragment);
-    }
+    // The fragment programs follow UDP datagrams only (see `fragment`), and
+    // know it: the protocol is a constant there, so their build holds no
+    // TCP or SCTP path (the verifier could not walk those twice over).
+    let proto = if FRAGMENTS {
+        if fragment == fragment::NOT_FRAGMENT || proto != IPPROTO_UDP {
+            return Err(Counter::Fragment);
+        }
+        IPPROTO_UDP
+    } else {
+        proto
+    };
     let (l4_hlen, csum_field) = match proto {
         IPPROTO_TCP => (20, 16),
         IPPROTO_UDP => (8, 6),
@@ -163,8 +170,8 @@ fn parse_with<const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter>
         let src: [u8; 4] = read(ctx, l3_off + 12).ok_or(Counter::Malformed)?;
         let dst: [u8; 4] = read(ctx, l3_off + 16).ok_or(Counter::Malformed)?;
         let id = u16::from_be(read::<u16>(ctx, l3_off + 4).ok_or(Counter::Malformed)?);
-        let key = fragment::key(Addr::from_v4_octets(src), Addr::from_v4_octets(dst), id as u32, proto);
-        let ports = fragment::ports_of(&key).ok_or(Counter::Fragment)?;
+        let key = fragment::key_v4(src, dst, id, proto).ok_or(Counter::Fragment)?;
+        let ports = fragment::ports_of(key).ok_or(Counter::Fragment)?;
         return Ok(Packet {
             tuple: v4_tuple(src, dst, ports.sport, ports.dport, proto),
             l3_off,
@@ -191,7 +198,9 @@ fn parse_with<const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter>
     };
     if FRAGMENTS && fragment == fragment::FIRST {
         let id = u16::from_be(read::<u16>(ctx, l3_off + 4).ok_or(Counter::Malformed)?);
-        fragment::remember(&fragment::key(Addr::from_v4_octets(src), Addr::from_v4_octets(dst), id as u32, proto), sport, dport);
+        if let Some(key) = fragment::key_v4(src, dst, id, proto) {
+            fragment::remember(key, sport, dport);
+        }
     }
     Ok(Packet {
         tuple: v4_tuple(src, dst, sport, dport, proto),

@@ -51,6 +51,12 @@ pub fn parse_in_place(ctx: &TcContext) -> Result<Packet, Counter> {
     parse_with::<true, false>(ctx)
 }
 
+/// `parse_in_place` for the fragment programs (see `parse_fragment`).
+#[inline(always)]
+pub fn parse_fragment_in_place(ctx: &TcContext) -> Result<Packet, Counter> {
+    parse_with::<true, true>(ctx)
+}
+
 #[inline(always)]
 fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter> {
     // skb->protocol sent the frame here; the frame itself must agree (a
@@ -73,7 +79,10 @@ fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> R
     let mut proto: u8 = ctx.load(l3_off + 6).map_err(|_| Counter::Malformed)?;
     let mut fragment = crate::fragment::NOT_FRAGMENT;
     let mut id = 0;
-    if FRAGMENTS && proto == NEXTHDR_FRAGMENT {
+    if FRAGMENTS && proto != NEXTHDR_FRAGMENT {
+        return Err(Counter::Fragment);
+    }
+    if FRAGMENTS {
         // Next header, reserved, offset (13 bits) with M in bit 0, ID.
         let header: [u8; 8] = ctx.load(l4_off).map_err(|_| Counter::Malformed)?;
         proto = header[0];
@@ -81,16 +90,16 @@ fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> R
         id = u32::from_be_bytes([header[4], header[5], header[6], header[7]]);
         l4_off += FRAGMENT_HLEN;
         fragment = if offset == 0 { crate::fragment::FIRST } else { crate::fragment::LATER };
-        // SCTP's CRC covers the whole packet, which a fragment is not.
-        if proto == IPPROTO_SCTP {
+        // UDP only, and a constant (see `parse::parse_with`).
+        if proto != IPPROTO_UDP {
             return Err(Counter::Fragment);
         }
+        proto = IPPROTO_UDP;
         if fragment == crate::fragment::LATER {
-            let src = Addr(ctx.load(l3_off + SRC_OFF).map_err(|_| Counter::Malformed)?);
-            let dst = Addr(ctx.load(l3_off + DST_OFF).map_err(|_| Counter::Malformed)?);
-            let ports = crate::fragment::ports_of(&crate::fragment::key(src, dst, id, proto)).ok_or(Counter::Fragment)?;
+            let key = crate::fragment::key_v6(ctx, l3_off, id, proto).ok_or(Counter::Fragment)?;
+            let ports = crate::fragment::ports_of(key).ok_or(Counter::Fragment)?;
             return Ok(Packet {
-                tuple: CtKey { src, dst, sport: ports.sport, dport: ports.dport, proto, _pad: [0; 3] },
+                tuple: CtKey { src: key.src, dst: key.dst, sport: ports.sport, dport: ports.dport, proto, _pad: [0; 3] },
                 l3_off,
                 l4_off,
                 l4_csum_off: 0,
@@ -142,7 +151,9 @@ fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> R
         pkt.tuple.dst = Addr(ctx.load(l3_off + DST_OFF).map_err(|_| Counter::Malformed)?);
     }
     if FRAGMENTS && fragment == crate::fragment::FIRST {
-        crate::fragment::remember(&crate::fragment::key(pkt.tuple.src, pkt.tuple.dst, id, proto), sport, dport);
+        if let Some(key) = crate::fragment::key_v6(ctx, l3_off, id, proto) {
+            crate::fragment::remember(key, sport, dport);
+        }
     }
     Ok(pkt)
 }

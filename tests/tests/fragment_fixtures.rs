@@ -5,8 +5,9 @@
 //! of the datagram to the backend (the first with the new port and UDP
 //! checksum, the later ones with the new address only); the backend's
 //! fragmented reply gets the frontend back at egress; a later fragment
-//! whose first was not seen, and a fragment to a Service without endpoints
-//! (which would be REJECTed), are left alone and dropped.
+//! whose first was not seen and a TCP fragment are left alone, and the
+//! fragments of a datagram to a Service without endpoints (which would be
+//! REJECTed) are dropped.
 //!
 //! The expected fragments are cut from a datagram etherparse built whole,
 //! so the UDP checksum the program updated in the first fragment is
@@ -65,6 +66,21 @@ fn addr(ip: IpAddr) -> Addr {
 fn datagram(src: Endpoint, dst: Endpoint, id: u32) -> Vec<Vec<u8>> {
     let payload: Vec<u8> = (0..4000u32).map(|i| (i * 7 % 251) as u8).collect();
     fragments(&udp(src, dst, &payload, Framing::Ethernet), CHUNK, id)
+}
+
+/// The fragment with its protocol (IPv4's, or the IPv6 Fragment header's
+/// next header) made TCP; an IPv4 header checksum made right again.
+fn as_tcp(fragment: &[u8]) -> Vec<u8> {
+    let mut f = fragment.to_vec();
+    if f[14] >> 4 == 6 {
+        f[14 + 40] = IPPROTO_TCP;
+    } else {
+        f[14 + 9] = IPPROTO_TCP;
+        f[24..26].copy_from_slice(&[0, 0]);
+        let sum = etherparse::Ipv4Header::from_slice(&f[14..]).unwrap().0.calc_header_checksum();
+        f[24..26].copy_from_slice(&sum.to_be_bytes());
+    }
+    f
 }
 
 fn cases(n: &Net, family: &str) -> Vec<Case> {
@@ -140,6 +156,11 @@ fn cases(n: &Net, family: &str) -> Vec<Case> {
     cases.push(Case::untouched(
         &format!("{family}: a later fragment whose first was not seen: left alone"),
         unseen_first[1].clone(),
+        Counter::Fragment,
+    ));
+    cases.push(Case::untouched(
+        &format!("{family}: a first fragment of TCP (which sizes its segments to the path): left alone"),
+        as_tcp(&datagram(client, (n.vip, 80), 0x7777)[0]),
         Counter::Fragment,
     ));
     cases.push(Case::new(
