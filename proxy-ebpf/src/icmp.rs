@@ -39,19 +39,35 @@ const ICMP_HLEN: usize = 8;
 const ICMP_CSUM_OFF: usize = 2;
 const IPV4_CSUM_OFF: usize = 10;
 
-/// Whether the frame carries ICMP (ICMPv6 for `V6`): the cheap test ingress
-/// and egress make before handing a packet to these programs.
+/// The IP protocol (IPv6: next header) of an IP frame of the program's
+/// family; None for anything else (ARP, say, whose bytes at the protocol's
+/// place mean something else).
 #[inline(always)]
-pub fn is_icmp<const V6: bool>(ctx: &TcContext) -> bool {
+pub fn ip_protocol<const V6: bool>(ctx: &TcContext) -> Option<u8> {
+    let ethertype = u16::from_be(crate::parse::read::<u16>(ctx, 12)?);
     if V6 {
-        crate::parse::read::<u8>(ctx, ETH_HLEN + 6) == Some(IPPROTO_ICMPV6)
+        if ethertype != ETH_P_IPV6 {
+            return None;
+        }
+        crate::parse::read::<u8>(ctx, ETH_HLEN + 6)
     } else {
-        crate::parse::read::<u8>(ctx, ETH_HLEN + 9) == Some(IPPROTO_ICMP)
+        if ethertype != ETH_P_IP {
+            return None;
+        }
+        crate::parse::read::<u8>(ctx, ETH_HLEN + 9)
     }
 }
 
-/// The destination of an ICMP packet that is no error about a flow (an
-/// echo request, say).
+/// Whether the frame carries ICMP (ICMPv6 for `V6`): the cheap test egress
+/// makes before handing a packet to these programs.
+#[inline(always)]
+pub fn is_icmp<const V6: bool>(ctx: &TcContext) -> bool {
+    ip_protocol::<V6>(ctx) == Some(if V6 { IPPROTO_ICMPV6 } else { IPPROTO_ICMP })
+}
+
+/// The destination of an IP packet that is no ICMP error about a flow (an
+/// echo request, or another protocol than TCP, UDP and SCTP). Only for a
+/// frame `ip_protocol` accepted.
 #[inline(always)]
 pub fn destination<const V6: bool>(ctx: &TcContext) -> Option<Addr> {
     let l3 = ETH_HLEN;

@@ -131,7 +131,8 @@ mod program {
         let pkt = match parsed {
             Ok(pkt) => pkt,
             Err(reason) => {
-                if !TRACE && reason == Counter::Passed && icmp::is_icmp::<V6>(ctx) {
+                if !TRACE && reason == Counter::Passed && icmp::ip_protocol::<V6>(ctx).is_some() {
+                    // An IP protocol parse leaves alone (ICMP, GRE, ESP...):
                     // tc_icmp_error_in(6), which counts.
                     let _ = unsafe { ICMP_PROGRAMS.tail_call(ctx, if V6 { ICMP_PROG_INGRESS6 } else { ICMP_PROG_INGRESS }) };
                 }
@@ -344,7 +345,8 @@ mod program {
 
     /// An ICMP error met at ingress: one about a masqueraded flow goes back
     /// to the flow's client (see `icmp`). Reached by tail call from
-    /// `tc_ingress(6)` for ICMP packets; counts for them.
+    /// `tc_ingress(6)` for every IP packet that is not TCP, UDP or SCTP;
+    /// counts for them, and drops those to an unallocated service address.
     #[classifier]
     pub fn tc_icmp_error_in(ctx: TcContext) -> i32 {
         icmp_error::<false, true>(&ctx)
@@ -372,8 +374,9 @@ mod program {
         match icmp::translate::<V6, INGRESS>(ctx) {
             Some(done) => verdict::<false>(done, Counter::IcmpErrorTranslated),
             None if INGRESS => {
-                // An echo request to an unallocated service address is
-                // dropped, as anything sent there is.
+                // An echo request, or any other protocol, to an unallocated
+                // service address is dropped, as anything sent there is
+                // (kube-proxy's rule matches every protocol).
                 if icmp::destination::<V6>(ctx).is_some_and(|dst| lb::is_unallocated(&dst)) {
                     count(Counter::DropUnallocated);
                     return DROP;
@@ -424,7 +427,8 @@ mod program {
     /// `tc_masquerade6` for IP fragments, reached by tail call from it.
     #[classifier]
     pub fn tc_masquerade_fragment6(ctx: TcContext) -> i32 {
-        let Ok(pkt) = parse6::parse_fragment_in_place(&ctx) else { return NOT_OURS };
+        // (Not parsed in place: on 6.1 that build reads stack it never wrote.)
+        let Ok(pkt) = parse6::parse_fragment(&ctx) else { return NOT_OURS };
         let Some((addr, port)) = masquerade::source_for(&ctx, &pkt) else {
             count(Counter::SnatFailed);
             return NOT_OURS;

@@ -51,11 +51,6 @@ pub fn parse_in_place(ctx: &TcContext) -> Result<Packet, Counter> {
     parse_with::<true, false>(ctx)
 }
 
-/// `parse_in_place` for the fragment programs (see `parse_fragment`).
-#[inline(always)]
-pub fn parse_fragment_in_place(ctx: &TcContext) -> Result<Packet, Counter> {
-    parse_with::<true, true>(ctx)
-}
 
 #[inline(always)]
 fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter> {

@@ -97,6 +97,14 @@ pub fn icmp_error(src: IpAddr, dst: IpAddr, error: IcmpError, quote: &[u8]) -> V
     v
 }
 
+/// An IP packet of protocol `proto` (GRE, say: no TCP, UDP, SCTP or ICMP)
+/// carrying `payload`.
+pub fn ip_packet(src: IpAddr, dst: IpAddr, proto: u8, payload: &[u8]) -> Vec<u8> {
+    let mut v = Vec::new();
+    start(src, dst, Framing::Ethernet).write(&mut v, IpNumber(proto), payload).unwrap();
+    v
+}
+
 /// An echo request (ping) from `src` to `dst`.
 pub fn icmp_echo(src: IpAddr, dst: IpAddr) -> Vec<u8> {
     let step = start(src, dst, Framing::Ethernet);

@@ -6,7 +6,8 @@
 //! back in its quote at egress (and as its source when the backend sent it),
 //! an error about a masqueraded flow is sent back to the client at ingress
 //! first; errors about no flow, echo requests and cut quotes are left
-//! alone, and an echo request to an unallocated service address is dropped.
+//! alone, and an echo request or a GRE packet to an unallocated service
+//! address is dropped (an ARP frame whose bytes read like one is not).
 //! Every checksum of each output (outer, ICMP, the quote's IP and
 //! TCP/UDP) is recomputed by etherparse, never taken from the program.
 //!
@@ -17,7 +18,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use proxy_common::*;
 use proxy_tests::{
     fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, run_table},
-    frames::{Endpoint, Framing, IcmpError, icmp_echo, icmp_error, recheck_checksums, tcp_syn, udp},
+    frames::{Endpoint, Framing, IcmpError, icmp_echo, icmp_error, ip_packet, recheck_checksums, tcp_syn, udp},
 };
 use proxy_user::{maps::Maps, reconciler::MapWriter};
 
@@ -64,6 +65,8 @@ const V6: Net = Net {
 };
 
 const HTTP: u16 = 80;
+/// An IP protocol the datapath does not translate.
+const GRE: u8 = 47;
 const HTTP_TARGET: u16 = 8080;
 const DNS: u16 = 53;
 const DNS_TARGET: u16 = 5353;
@@ -157,6 +160,18 @@ fn cases(n: &Net, family: &str) -> Vec<Case> {
             Expect::Unchanged,
             &[Counter::DropUnallocated],
         ),
+        Case::untouched(
+            &format!("{family}: GRE to the ClusterIP: not translated"),
+            ip_packet(n.client, n.vip, GRE, b"tunnel"),
+            Counter::Passed,
+        ),
+        Case::new(
+            &format!("{family}: GRE to an unallocated address of the service CIDR: dropped, as any protocol is"),
+            ip_packet(n.client, n.unallocated, GRE, b"tunnel"),
+            TC_ACT_SHOT,
+            Expect::Unchanged,
+            &[Counter::DropUnallocated],
+        ),
         Case::new(
             &format!("{family}: an error whose quote stops inside the ports: left alone"),
             icmp_error(n.backend, n.client, IcmpError::PortUnreachable, &sent_dns[..sent_dns.len() - QUERY.len() - 6]),
@@ -189,6 +204,24 @@ fn cases(n: &Net, family: &str) -> Vec<Case> {
             icmp_error(n.vip, n.external, IcmpError::PortUnreachable, &quote_udp(external_dns, vip_dns)),
         ),
     ]
+}
+
+/// An ARP request whose bytes, read as an IPv4 header, say ICMP (the
+/// sender's MAC has 0x01 where the protocol would be) to the unallocated
+/// service address (the sender's address and the target MAC's first bytes
+/// where the destination would be): ARP, and passed as it is.
+fn arp_reading_as_icmp() -> Vec<u8> {
+    let Net { unallocated: IpAddr::V4(to), .. } = V4 else { unreachable!() };
+    let [a, b, c, d] = to.octets();
+    let mut f = vec![0xff; 6];
+    f.extend_from_slice(&[0x02, 0x01, 0, 0, 0, 1, 0x08, 0x06]);
+    // htype 1, ptype IPv4, hlen 6, plen 4, request
+    f.extend_from_slice(&[0, 1, 0x08, 0x00, 6, 4, 0, 1]);
+    f.extend_from_slice(&[0x02, 0x01, 0, 0, 0, 1]);
+    f.extend_from_slice(&[192, 168, a, b]);
+    f.extend_from_slice(&[c, d, 0, 0, 0, 0]);
+    f.extend_from_slice(&[192, 168, 0, 1]);
+    f
 }
 
 /// HTTP (80 -> 8080/TCP) and DNS (53 -> 5353/UDP) on the family's ClusterIP,
@@ -265,6 +298,7 @@ fn icmp_error_fixtures() {
     })
     .unwrap();
     let mut all = cases(&V4, "IPv4");
+    all.push(Case::untouched("an ARP request whose bytes read as ICMP to an unallocated address: passed", arp_reading_as_icmp(), Counter::Passed));
     all.extend(cases(&V6, "IPv6"));
     run_table(&fx, "ICMP error", all, recheck_checksums, field);
 }
