@@ -542,17 +542,15 @@ pub const ICMP_PROG_EGRESS: u32 = 2;
 pub const ICMP_PROG_EGRESS6: u32 = 3;
 pub const ICMP_PROG_COUNT: u32 = 4;
 
-/// The programs that handle IP fragments, tail-called by ingress and egress
-/// when their parse meets one: the same logic, with a parse that follows a
-/// datagram's later fragments by its first's ports (each with a stack of
-/// its own, and no cost for the packets that are not fragments).
+/// The programs that follow a UDP datagram's later fragments by its first
+/// fragment's ports, tail-called by ingress and egress (and IPv6
+/// masquerade) when their parse meets one: small programs of their own, so
+/// packets that are not fragments pay nothing.
 pub const FRAGMENT_PROG_INGRESS: u32 = 0;
 pub const FRAGMENT_PROG_INGRESS6: u32 = 1;
 pub const FRAGMENT_PROG_EGRESS: u32 = 2;
 pub const FRAGMENT_PROG_EGRESS6: u32 = 3;
-/// `tc_masquerade6`'s, from it.
-pub const FRAGMENT_PROG_MASQUERADE6: u32 = 4;
-pub const FRAGMENT_PROG_COUNT: u32 = 5;
+pub const FRAGMENT_PROG_COUNT: u32 = 4;
 
 /// An IP datagram as its fragments share it: addresses, protocol and IP ID
 /// (IPv4's 16 bits, or the IPv6 Fragment header's 32).

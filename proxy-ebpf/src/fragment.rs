@@ -18,20 +18,23 @@
 use aya_ebpf::{EbpfContext, helpers::bpf_skb_load_bytes, programs::TcContext};
 use proxy_common::{Addr, Counter, FragmentKey, FragmentPorts};
 
-use crate::maps::{FRAGMENT_KEY, FRAGMENTS, count};
+use crate::{
+    maps::{FRAGMENT_KEY, FRAGMENTS, count},
+    parse::Packet,
+};
 
 /// Where a packet stands in its datagram (`Packet::fragment`).
 pub const NOT_FRAGMENT: u8 = 0;
 pub const FIRST: u8 = 1;
 pub const LATER: u8 = 2;
 
-/// An IPv4 datagram's key.
+/// A datagram's key.
 #[inline(always)]
-pub fn key_v4(src: [u8; 4], dst: [u8; 4], id: u16, proto: u8) -> Option<&'static FragmentKey> {
+pub fn key(src: &Addr, dst: &Addr, id: u32, proto: u8) -> Option<&'static FragmentKey> {
     let key = unsafe { &mut *FRAGMENT_KEY.get_ptr_mut(0)? };
-    key.src = Addr::from_v4_octets(src);
-    key.dst = Addr::from_v4_octets(dst);
-    key.id = id as u32;
+    key.src = *src;
+    key.dst = *dst;
+    key.id = id;
     key.proto = proto;
     key._pad = [0; 3];
     Some(key)
@@ -56,9 +59,26 @@ fn load16(ctx: &TcContext, off: usize, addr: &mut Addr) -> Option<()> {
     (unsafe { bpf_skb_load_bytes(ctx.as_ptr(), off as u32, dst, 16) } == 0).then_some(())
 }
 
-/// A first fragment's ports, for the fragments that follow it.
+/// A UDP datagram's first fragment (`Packet::fragment` FIRST, as `parse`
+/// and `parse6` let it through): its ports, for the fragments that follow.
+/// Called by the programs that follow fragments (ingress, egress, IPv6
+/// masquerade), not by `parse`, which every program inlines.
 #[inline(always)]
-pub fn remember(key: &FragmentKey, sport: u16, dport: u16) {
+pub fn remember_first<const V6: bool>(ctx: &TcContext, pkt: &Packet) {
+    // IPv4: the header's ID; IPv6: the Fragment header's, after the fixed one.
+    let id = if V6 {
+        ctx.load::<u32>(pkt.l3_off + crate::parse6::IPV6_HLEN + 4).map(u32::from_be)
+    } else {
+        ctx.load::<u16>(pkt.l3_off + 4).map(|id| u16::from_be(id) as u32)
+    };
+    let Ok(id) = id else { return };
+    if let Some(key) = key(&pkt.tuple.src, &pkt.tuple.dst, id, pkt.proto) {
+        remember(key, pkt.tuple.sport, pkt.tuple.dport);
+    }
+}
+
+#[inline(always)]
+fn remember(key: &FragmentKey, sport: u16, dport: u16) {
     // Full (every slot a datagram in flight): the LRU drops the oldest,
     // whose fragments have most likely all passed.
     let _ = FRAGMENTS.insert(key, &FragmentPorts { sport, dport }, 0);

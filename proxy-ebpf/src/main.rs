@@ -49,7 +49,7 @@ mod program {
     use aya_ebpf::{bindings::BPF_F_INGRESS, helpers::bpf_redirect};
     use proxy_common::{
         CT_CONFIRM_ON_REPLY, CT_LOOPBACK, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_PENDING, CT_REPLY, Counter,
-        FRAGMENT_PROG_EGRESS, FRAGMENT_PROG_EGRESS6, FRAGMENT_PROG_INGRESS, FRAGMENT_PROG_INGRESS6, FRAGMENT_PROG_MASQUERADE6,
+        FRAGMENT_PROG_EGRESS, FRAGMENT_PROG_EGRESS6, FRAGMENT_PROG_INGRESS, FRAGMENT_PROG_INGRESS6,
         ICMP_PROG_EGRESS, ICMP_PROG_EGRESS6, ICMP_PROG_INGRESS, ICMP_PROG_INGRESS6, IPPROTO_TCP, IPV6_PROG_EGRESS,
         IPV6_PROG_INGRESS, IPV6_PROG_MASQUERADE, IPV6_PROG_TRACE, LOOPBACK_IFINDEX,
         MASQUERADE_MARK, NODE_PROG_EGRESS, NODE_PROG_FLOW, NODE_PROG_INGRESS_REPLY, NODE6_PROG_EGRESS, NODE6_PROG_FLOW,
@@ -75,13 +75,13 @@ mod program {
         if skb::is_ipv6(&ctx) {
             return to_ipv6::<false>(&ctx, IPV6_PROG_INGRESS);
         }
-        ingress::<false, false, false>(&ctx)
+        ingress::<false, false>(&ctx)
     }
 
     /// `tc_ingress` for IPv6 frames, reached by tail call from it.
     #[classifier]
     pub fn tc_ingress6(ctx: TcContext) -> i32 {
-        ingress::<false, true, false>(&ctx)
+        ingress::<false, true>(&ctx)
     }
 
     /// `ebpf-proxy trace`: the same decisions on a synthetic packet (run with
@@ -92,12 +92,12 @@ mod program {
         if skb::is_ipv6(&ctx) {
             return to_ipv6::<true>(&ctx, IPV6_PROG_TRACE);
         }
-        ingress::<true, false, false>(&ctx)
+        ingress::<true, false>(&ctx)
     }
 
     #[classifier]
     pub fn tc_trace6(ctx: TcContext) -> i32 {
-        ingress::<true, true, false>(&ctx)
+        ingress::<true, true>(&ctx)
     }
 
     /// Hands an IPv6 frame to the IPv6 program in `slot`. A tail call, not a
@@ -110,24 +110,52 @@ mod program {
         NOT_OURS
     }
 
-    /// `tc_ingress(6)` for IP fragments, reached by tail call from it: the
-    /// same, with a parse that follows a datagram's later fragments (see
-    /// `fragment`).
+    /// A later fragment of a UDP datagram, from `tc_ingress(6)` by tail call
+    /// (see `fragment`): it follows the flow its first fragment found, or
+    /// made, and gets the same translation, addresses only. Its first was
+    /// translated by ingress itself, so this needs no more than conntrack
+    /// (a small program, cheap to verify).
     #[classifier]
     pub fn tc_ingress_fragment(ctx: TcContext) -> i32 {
-        ingress::<false, false, true>(&ctx)
+        later_fragment_in::<false>(&ctx)
     }
 
     #[classifier]
     pub fn tc_ingress_fragment6(ctx: TcContext) -> i32 {
-        ingress::<false, true, true>(&ctx)
+        later_fragment_in::<true>(&ctx)
     }
 
-    /// `FRAGMENTS`: the fragment program's build, whose parse follows IP
-    /// fragments.
     #[inline(always)]
-    fn ingress<const TRACE: bool, const V6: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<V6, FRAGMENTS>(ctx);
+    fn later_fragment_in<const V6: bool>(ctx: &TcContext) -> i32 {
+        let parsed = parse_family::<V6, true>(ctx);
+        let pkt = match parsed {
+            Ok(pkt) => pkt,
+            Err(reason) => {
+                count(reason);
+                return NOT_OURS;
+            }
+        };
+        // No flow (its first was dropped, or not ours), or a node socket's
+        // (not followed): left alone.
+        let Some(ct) = conntrack::lookup(&pkt.tuple).filter(|ct| ct.flags & CT_NODE == 0) else {
+            count(Counter::Fragment);
+            return NOT_OURS;
+        };
+        let masquerade = ct.flags & CT_MASQUERADE != 0;
+        if ct.direction == CT_REPLY {
+            let done = if masquerade { nat::rewrite_dst(ctx, &pkt, &ct.rev_addr, ct.rev_port) } else { Ok(()) };
+            set_mark(ctx, REVERSE_NAT_MARK);
+            return verdict::<false>(done, Counter::Reply);
+        }
+        if masquerade {
+            set_mark(ctx, MASQUERADE_MARK);
+        }
+        verdict::<false>(nat::rewrite_dst(ctx, &pkt, &ct.nat_addr, ct.nat_port), Counter::Established)
+    }
+
+    #[inline(always)]
+    fn ingress<const TRACE: bool, const V6: bool>(ctx: &TcContext) -> i32 {
+        let parsed = parse_family::<V6, false>(ctx);
         let pkt = match parsed {
             Ok(pkt) => pkt,
             Err(reason) => {
@@ -136,7 +164,7 @@ mod program {
                     // tc_icmp_error_in(6), which counts.
                     let _ = unsafe { ICMP_PROGRAMS.tail_call(ctx, if V6 { ICMP_PROG_INGRESS6 } else { ICMP_PROG_INGRESS }) };
                 }
-                if !TRACE && !FRAGMENTS && reason == Counter::Fragment {
+                if !TRACE && reason == Counter::Fragment {
                     // tc_ingress_fragment(6), which counts.
                     let slot = if V6 { FRAGMENT_PROG_INGRESS6 } else { FRAGMENT_PROG_INGRESS };
                     let _ = unsafe { FRAGMENT_PROGRAMS.tail_call(ctx, slot) };
@@ -145,6 +173,9 @@ mod program {
                 return NOT_OURS;
             }
         };
+        if !TRACE && pkt.fragment == fragment::FIRST {
+            fragment::remember_first::<V6>(ctx, &pkt);
+        }
 
         // A known flow: one lookup finds its translation in either direction.
         if let Some(mut ct) = conntrack::lookup_flow(&pkt) {
@@ -340,7 +371,7 @@ mod program {
             let _ = unsafe { ICMP_PROGRAMS.tail_call(&ctx, if v6 { ICMP_PROG_EGRESS6 } else { ICMP_PROG_EGRESS }) };
             return NOT_OURS;
         }
-        egress::<false, false>(&ctx)
+        egress::<false>(&ctx)
     }
 
     /// An ICMP error met at ingress: one about a masqueraded flow goes back
@@ -392,7 +423,7 @@ mod program {
     /// `tc_egress` for IPv6 frames, reached by tail call from it.
     #[classifier]
     pub fn tc_egress6(ctx: TcContext) -> i32 {
-        egress::<true, false>(&ctx)
+        egress::<true>(&ctx)
     }
 
     /// IPv6 masquerade, reached by tail call from `tc_egress6` (mark already
@@ -400,17 +431,19 @@ mod program {
     /// reverse-NAT path in the same frame the stack would pass 512 bytes.
     #[classifier]
     pub fn tc_masquerade6(ctx: TcContext) -> i32 {
-        // Written out, not shared with tc_masquerade_fragment6 through a
-        // function: every shared form tried took LLVM 56-64 bytes more
-        // stack here, past what Linux 6.1 allows.
         let pkt = match parse6::parse_in_place(&ctx) {
             Ok(pkt) => pkt,
             Err(Counter::Fragment) => {
-                let _ = unsafe { FRAGMENT_PROGRAMS.tail_call(&ctx, FRAGMENT_PROG_MASQUERADE6) };
+                // tc_egress_fragment6, which starts over: with the mark.
+                ctx.set_mark(skb::mark(&ctx) | MASQUERADE_MARK);
+                let _ = unsafe { FRAGMENT_PROGRAMS.tail_call(&ctx, FRAGMENT_PROG_EGRESS6) };
                 return NOT_OURS;
             }
             Err(_) => return NOT_OURS,
         };
+        if pkt.fragment == fragment::FIRST {
+            fragment::remember_first::<true>(&ctx, &pkt);
+        }
         let Some((addr, port)) = masquerade::source_for(&ctx, &pkt) else {
             count(Counter::SnatFailed);
             return NOT_OURS;
@@ -424,42 +457,52 @@ mod program {
         }
     }
 
-    /// `tc_masquerade6` for IP fragments, reached by tail call from it.
-    #[classifier]
-    pub fn tc_masquerade_fragment6(ctx: TcContext) -> i32 {
-        // (Not parsed in place: on 6.1 that build reads stack it never wrote.)
-        let Ok(pkt) = parse6::parse_fragment(&ctx) else { return NOT_OURS };
-        let Some((addr, port)) = masquerade::source_for(&ctx, &pkt) else {
-            count(Counter::SnatFailed);
-            return NOT_OURS;
-        };
-        match nat6::rewrite_src(&ctx, &pkt, &addr, port) {
-            Ok(()) => TC_ACT_OK as i32,
-            Err(_) => {
-                count(Counter::RewriteFailed);
-                DROP
-            }
-        }
-    }
-
-    /// `tc_egress(6)` for IP fragments, reached by tail call from it (see
-    /// `tc_ingress_fragment`).
+    /// A later fragment of a UDP datagram, from `tc_egress(6)` (or
+    /// `tc_masquerade6`) by tail call with its mark: the source its first
+    /// fragment got, found, never chosen (see `tc_ingress_fragment`).
     #[classifier]
     pub fn tc_egress_fragment(ctx: TcContext) -> i32 {
-        egress::<false, true>(&ctx)
+        later_fragment_out::<false>(&ctx)
     }
 
     #[classifier]
     pub fn tc_egress_fragment6(ctx: TcContext) -> i32 {
-        egress::<true, true>(&ctx)
+        later_fragment_out::<true>(&ctx)
     }
 
     #[inline(always)]
-    fn egress<const V6: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> i32 {
+    fn later_fragment_out<const V6: bool>(ctx: &TcContext) -> i32 {
         let mark = crate::skb::mark(ctx);
         if mark & (MASQUERADE_MARK | REVERSE_NAT_MARK) == 0 {
-            // A node socket's packet (which the fragment program never gets).
-            if FRAGMENTS || !skb::from_local_socket(ctx) {
+            return NOT_OURS;
+        }
+        ctx.set_mark(mark & !(MASQUERADE_MARK | REVERSE_NAT_MARK));
+        let parsed = parse_family::<V6, true>(ctx);
+        let Ok(pkt) = parsed else { return NOT_OURS };
+        let source = if mark & MASQUERADE_MARK != 0 {
+            conntrack::snat_choice(&pkt.tuple).map(|e| (e.addr, e.port))
+        } else {
+            conntrack::lookup(&pkt.tuple).filter(|e| e.direction == CT_REPLY).map(|e| (e.nat_addr, e.nat_port))
+        };
+        let Some((addr, port)) = source else {
+            count(Counter::SnatFailed);
+            return NOT_OURS;
+        };
+        match nat::rewrite_src(ctx, &pkt, &addr, port) {
+            Ok(()) => TC_ACT_OK as i32,
+            Err(_) => {
+                count(Counter::RewriteFailed);
+                DROP
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
+        let mark = crate::skb::mark(ctx);
+        if mark & (MASQUERADE_MARK | REVERSE_NAT_MARK) == 0 {
+            // A node socket's packet.
+            if !skb::from_local_socket(ctx) {
                 return NOT_OURS;
             }
             if !V6 && skb::is_ipv6(ctx) {
@@ -480,19 +523,14 @@ mod program {
         }
         ctx.set_mark(mark & !(MASQUERADE_MARK | REVERSE_NAT_MARK));
         if V6 && mark & MASQUERADE_MARK != 0 {
-            // tc_masquerade6, or for a fragment its fragment build.
-            let _ = if FRAGMENTS {
-                unsafe { FRAGMENT_PROGRAMS.tail_call(ctx, FRAGMENT_PROG_MASQUERADE6) }
-            } else {
-                unsafe { IPV6_PROGRAMS.tail_call(ctx, IPV6_PROG_MASQUERADE) }
-            };
+            let _ = unsafe { IPV6_PROGRAMS.tail_call(ctx, IPV6_PROG_MASQUERADE) };
             count(Counter::SnatFailed);
             return NOT_OURS;
         }
-        let parsed = parse_family::<V6, FRAGMENTS>(ctx);
+        let parsed = parse_family::<V6, false>(ctx);
         let pkt = match parsed {
             Ok(pkt) => pkt,
-            Err(Counter::Fragment) if !FRAGMENTS => {
+            Err(Counter::Fragment) => {
                 // tc_egress_fragment(6), which starts over: with the mark.
                 ctx.set_mark(mark);
                 let slot = if V6 { FRAGMENT_PROG_EGRESS6 } else { FRAGMENT_PROG_EGRESS };
@@ -501,6 +539,9 @@ mod program {
             }
             Err(_) => return NOT_OURS,
         };
+        if pkt.fragment == fragment::FIRST {
+            fragment::remember_first::<V6>(ctx, &pkt);
+        }
         let source = if mark & MASQUERADE_MARK != 0 {
             masquerade::source_for(ctx, &pkt)
         } else {

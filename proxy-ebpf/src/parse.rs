@@ -1,6 +1,6 @@
 //! Header parsing with bounds checks. Anything we cannot fully read — short,
 //! malformed, not IPv4 TCP/UDP/SCTP — is reported, never guessed at; so is
-//! a fragment, except to the fragment programs (`parse_fragment`).
+//! a fragment, but for a UDP datagram's (`fragment`).
 //! IPv6 is parsed in `parse6`, by the IPv6 programs.
 //!
 //! The headers are read straight from the packet (direct packet access),
@@ -9,7 +9,7 @@
 //! in first.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::fragment;
 
@@ -109,9 +109,8 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
     parse_with::<false>(ctx)
 }
 
-/// As `parse`, for the fragment programs: a first fragment is parsed as a
-/// datagram and its ports remembered; a later one takes them (see
-/// `fragment`).
+/// As `parse`, for the fragment programs: a later fragment of a UDP
+/// datagram, with its first's ports (see `fragment`).
 #[inline(always)]
 pub fn parse_fragment(ctx: &TcContext) -> Result<Packet, Counter> {
     parse_with::<true>(ctx)
@@ -139,26 +138,20 @@ fn parse_with<const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter>
         return Err(Counter::Malformed);
     }
     let frag = u16::from_be(read::<u16>(ctx, l3_off + 6).ok_or(Counter::Malformed)?);
-    let fragment = match frag {
-        f if f & IP_MF_AND_OFFSET == 0 => fragment::NOT_FRAGMENT,
-        // Only the first fragment carries ports: the fragment programs
-        // follow the datagram (`fragment`).
-        _ if !FRAGMENTS => return Err(Counter::Fragment),
-        f if f & IP_OFFSET == 0 => fragment::FIRST,
-        _ => fragment::LATER,
-    };
     let proto: u8 = read(ctx, l3_off + 9).ok_or(Counter::Malformed)?;
-    // The fragment programs follow UDP datagrams only (see `fragment`), and
-    // know it: the protocol is a constant there, so their build holds no
-    // TCP or SCTP path (the verifier could not walk those twice over).
-    let proto = if FRAGMENTS {
-        if fragment == fragment::NOT_FRAGMENT || proto != IPPROTO_UDP {
-            return Err(Counter::Fragment);
-        }
-        IPPROTO_UDP
-    } else {
-        proto
+    // A UDP datagram's first fragment is parsed here like a datagram (the
+    // caller remembers its ports); any other fragment goes to the fragment
+    // programs, whose parse (`FRAGMENTS`) takes a later UDP fragment only.
+    // See `fragment`.
+    let fragment = match frag & IP_MF_AND_OFFSET {
+        0 => fragment::NOT_FRAGMENT,
+        f if f & IP_OFFSET == 0 && proto == IPPROTO_UDP => fragment::FIRST,
+        f if f & IP_OFFSET != 0 && proto == IPPROTO_UDP => fragment::LATER,
+        _ => return Err(Counter::Fragment),
     };
+    if FRAGMENTS != (fragment == fragment::LATER) {
+        return Err(Counter::Fragment);
+    }
     let (l4_hlen, csum_field) = match proto {
         IPPROTO_TCP => (20, 16),
         IPPROTO_UDP => (8, 6),
@@ -166,11 +159,11 @@ fn parse_with<const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter>
         _ => return Err(Counter::Passed),
     };
     let l4_off = l3_off + ihl;
-    if FRAGMENTS && fragment == fragment::LATER {
+    if FRAGMENTS {
         let src: [u8; 4] = read(ctx, l3_off + 12).ok_or(Counter::Malformed)?;
         let dst: [u8; 4] = read(ctx, l3_off + 16).ok_or(Counter::Malformed)?;
         let id = u16::from_be(read::<u16>(ctx, l3_off + 4).ok_or(Counter::Malformed)?);
-        let key = fragment::key_v4(src, dst, id, proto).ok_or(Counter::Fragment)?;
+        let key = fragment::key(&Addr::from_v4_octets(src), &Addr::from_v4_octets(dst), id as u32, proto).ok_or(Counter::Fragment)?;
         let ports = fragment::ports_of(key).ok_or(Counter::Fragment)?;
         return Ok(Packet {
             tuple: v4_tuple(src, dst, ports.sport, ports.dport, proto),
@@ -196,12 +189,6 @@ fn parse_with<const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter>
         IPPROTO_SCTP => crate::sctp::opening_flags(read(ctx, l4_off + crate::sctp::COMMON_HEADER_LEN)),
         _ => 0,
     };
-    if FRAGMENTS && fragment == fragment::FIRST {
-        let id = u16::from_be(read::<u16>(ctx, l3_off + 4).ok_or(Counter::Malformed)?);
-        if let Some(key) = fragment::key_v4(src, dst, id, proto) {
-            fragment::remember(key, sport, dport);
-        }
-    }
     Ok(Packet {
         tuple: v4_tuple(src, dst, sport, dport, proto),
         l3_off,

@@ -1,12 +1,12 @@
 //! IPv6 header parsing. Only a fixed 40-byte header followed directly by
-//! TCP, UDP or SCTP is translated, or, by the fragment programs
-//! (`parse_fragment`), by a Fragment header and then those: a packet with
-//! other extension headers is reported and left to the kernel.
+//! TCP, UDP or SCTP is translated, or by a Fragment header and UDP (see
+//! `fragment`): a packet with other extension headers is reported and left
+//! to the kernel.
 
 use aya_ebpf::{EbpfContext, helpers::bpf_skb_load_bytes, programs::TcContext};
 use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
-use crate::parse::{ETH_HLEN, Packet};
+use crate::parse::{ETH_HLEN, Packet, read};
 
 pub const ETH_P_IPV6: u16 = 0x86dd;
 pub const IPV6_HLEN: usize = 40;
@@ -34,9 +34,8 @@ pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
     parse_with::<false, false>(ctx)
 }
 
-/// As `parse`, for the fragment programs: after a Fragment header, a first
-/// fragment is parsed as a datagram and its ports remembered; a later one
-/// takes them (see `fragment`).
+/// As `parse`, for the fragment programs: a later fragment of a UDP
+/// datagram, with its first's ports (see `fragment`).
 #[inline(always)]
 pub fn parse_fragment(ctx: &TcContext) -> Result<Packet, Counter> {
     parse_with::<false, true>(ctx)
@@ -66,52 +65,39 @@ fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> R
         return Err(Counter::Malformed);
     }
     let payload_len = u16::from_be(ctx.load::<u16>(l3_off + 4).map_err(|_| Counter::Malformed)?) as usize;
-    let mut l4_off = l3_off + IPV6_HLEN;
+    let l4_off = l3_off + IPV6_HLEN;
     let l4_end = l4_off + payload_len;
     if l4_end > ctx.len() as usize {
         return Err(Counter::Malformed);
     }
-    let mut proto: u8 = ctx.load(l3_off + 6).map_err(|_| Counter::Malformed)?;
-    let mut fragment = crate::fragment::NOT_FRAGMENT;
-    let mut id = 0;
-    if FRAGMENTS && proto != NEXTHDR_FRAGMENT {
-        return Err(Counter::Fragment);
-    }
-    if FRAGMENTS {
-        // Next header, reserved, offset (13 bits) with M in bit 0, ID.
-        let header: [u8; 8] = ctx.load(l4_off).map_err(|_| Counter::Malformed)?;
-        proto = header[0];
-        let offset = u16::from_be_bytes([header[2], header[3]]) & !0x7;
-        id = u32::from_be_bytes([header[4], header[5], header[6], header[7]]);
-        l4_off += FRAGMENT_HLEN;
-        fragment = if offset == 0 { crate::fragment::FIRST } else { crate::fragment::LATER };
-        // UDP only, and a constant (see `parse::parse_with`).
-        if proto != IPPROTO_UDP {
+    let proto: u8 = ctx.load(l3_off + 6).map_err(|_| Counter::Malformed)?;
+    // A Fragment header right after this one: a UDP datagram's first
+    // fragment is parsed (`first_fragment`) like a datagram (the caller
+    // remembers its ports), a later one by the fragment programs
+    // (`FRAGMENTS`, `later_fragment`), anything else left alone. Their own
+    // paths, so that the common one keeps its constant offsets (and
+    // tc_ingress6 its stack). See `fragment`.
+    if proto == NEXTHDR_FRAGMENT {
+        // Next header, reserved, offset (13 bits) with M in bit 0, ID; read
+        // straight from the packet.
+        if read::<u8>(ctx, l4_off) != Some(IPPROTO_UDP) {
             return Err(Counter::Fragment);
         }
-        proto = IPPROTO_UDP;
-        if fragment == crate::fragment::LATER {
-            let key = crate::fragment::key_v6(ctx, l3_off, id, proto).ok_or(Counter::Fragment)?;
-            let ports = crate::fragment::ports_of(key).ok_or(Counter::Fragment)?;
-            return Ok(Packet {
-                tuple: CtKey { src: key.src, dst: key.dst, sport: ports.sport, dport: ports.dport, proto, _pad: [0; 3] },
-                l3_off,
-                l4_off,
-                l4_csum_off: 0,
-                l4_end,
-                proto,
-                tcp_flags: 0,
-                v6: true,
-                fragment,
-            });
-        }
+        let offset = u16::from_be(read::<u16>(ctx, l4_off + 2).ok_or(Counter::Fragment)?) & !0x7;
+        return match (FRAGMENTS, offset == 0) {
+            (false, true) => first_fragment::<IN_PLACE>(ctx, l4_end),
+            (true, false) => later_fragment(ctx, l4_end),
+            _ => Err(Counter::Fragment),
+        };
+    }
+    if FRAGMENTS {
+        return Err(Counter::Fragment);
     }
     let (l4_hlen, csum_field) = match proto {
         IPPROTO_TCP => (20, 16),
         IPPROTO_UDP => (8, 6),
         IPPROTO_SCTP => (crate::sctp::COMMON_HEADER_LEN, crate::sctp::CHECKSUM_OFF),
-        // Translating the first fragment alone would split the datagram
-        // across two destinations.
+        // A Fragment header after another (or after a first one).
         NEXTHDR_FRAGMENT => return Err(Counter::Fragment),
         NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_ESP | NEXTHDR_AUTH | NEXTHDR_DEST | NEXTHDR_MOBILITY
         | NEXTHDR_HIP | NEXTHDR_SHIM6 => return Err(Counter::ExtensionHeader),
@@ -136,7 +122,7 @@ fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> R
         proto,
         tcp_flags,
         v6: true,
-        fragment,
+        fragment: crate::fragment::NOT_FRAGMENT,
     };
     if IN_PLACE {
         load_addr(ctx, l3_off + SRC_OFF, &mut pkt.tuple.src)?;
@@ -145,12 +131,58 @@ fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> R
         pkt.tuple.src = Addr(ctx.load(l3_off + SRC_OFF).map_err(|_| Counter::Malformed)?);
         pkt.tuple.dst = Addr(ctx.load(l3_off + DST_OFF).map_err(|_| Counter::Malformed)?);
     }
-    if FRAGMENTS && fragment == crate::fragment::FIRST {
-        if let Some(key) = crate::fragment::key_v6(ctx, l3_off, id, proto) {
-            crate::fragment::remember(key, sport, dport);
-        }
+    Ok(pkt)
+}
+
+/// A UDP datagram's first fragment, after the Fragment header.
+#[inline(always)]
+fn first_fragment<const IN_PLACE: bool>(ctx: &TcContext, l4_end: usize) -> Result<Packet, Counter> {
+    let l3_off = ETH_HLEN;
+    let l4_off = l3_off + IPV6_HLEN + FRAGMENT_HLEN;
+    if l4_off + 8 > l4_end {
+        return Err(Counter::Malformed);
+    }
+    let sport: u16 = ctx.load(l4_off).map_err(|_| Counter::Malformed)?;
+    let dport: u16 = ctx.load(l4_off + 2).map_err(|_| Counter::Malformed)?;
+    let mut pkt = Packet {
+        tuple: CtKey { src: Addr::default(), dst: Addr::default(), sport, dport, proto: IPPROTO_UDP, _pad: [0; 3] },
+        l3_off,
+        l4_off,
+        l4_csum_off: l4_off + 6,
+        l4_end,
+        proto: IPPROTO_UDP,
+        tcp_flags: 0,
+        v6: true,
+        fragment: crate::fragment::FIRST,
+    };
+    if IN_PLACE {
+        load_addr(ctx, l3_off + SRC_OFF, &mut pkt.tuple.src)?;
+        load_addr(ctx, l3_off + DST_OFF, &mut pkt.tuple.dst)?;
+    } else {
+        pkt.tuple.src = Addr(ctx.load(l3_off + SRC_OFF).map_err(|_| Counter::Malformed)?);
+        pkt.tuple.dst = Addr(ctx.load(l3_off + DST_OFF).map_err(|_| Counter::Malformed)?);
     }
     Ok(pkt)
+}
+
+/// A UDP datagram's later fragment, with its first's ports.
+#[inline(always)]
+fn later_fragment(ctx: &TcContext, l4_end: usize) -> Result<Packet, Counter> {
+    let l3_off = ETH_HLEN;
+    let id = u32::from_be(ctx.load(l3_off + IPV6_HLEN + 4).map_err(|_| Counter::Malformed)?);
+    let key = crate::fragment::key_v6(ctx, l3_off, id, IPPROTO_UDP).ok_or(Counter::Fragment)?;
+    let ports = crate::fragment::ports_of(key).ok_or(Counter::Fragment)?;
+    Ok(Packet {
+        tuple: CtKey { src: key.src, dst: key.dst, sport: ports.sport, dport: ports.dport, proto: IPPROTO_UDP, _pad: [0; 3] },
+        l3_off,
+        l4_off: l3_off + IPV6_HLEN + FRAGMENT_HLEN,
+        l4_csum_off: 0,
+        l4_end,
+        proto: IPPROTO_UDP,
+        tcp_flags: 0,
+        v6: true,
+        fragment: crate::fragment::LATER,
+    })
 }
 
 /// 16 bytes at `off` straight into `addr`, with no stack copy on the way.

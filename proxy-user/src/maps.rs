@@ -53,8 +53,8 @@ pub const PINNED_MAPS: [&str; 24] = [
 /// `6` counterparts. Either hands a packet to REJECT to `tc_reject(6)`
 /// (loaded with ingress, which is always loaded), and ICMP packets to
 /// `tc_icmp_error_in(6)` or `tc_icmp_error_out(6)`, and IP fragments to
-/// `tc_ingress_fragment(6)` or `tc_egress_fragment(6)` (and `tc_masquerade_fragment6`).
-const TAIL_CALLED: [(&str, &str, &str, u32); 21] = [
+/// `tc_ingress_fragment(6)` or `tc_egress_fragment(6)`.
+const TAIL_CALLED: [(&str, &str, &str, u32); 20] = [
     (TC_INGRESS, "tc_ingress6", MAP_IPV6_PROGRAMS, IPV6_PROG_INGRESS),
     (TC_INGRESS, "tc_ingress_node_reply", MAP_NODE_PROGRAMS, NODE_PROG_INGRESS_REPLY),
     (TC_EGRESS, "tc_egress6", MAP_IPV6_PROGRAMS, IPV6_PROG_EGRESS),
@@ -74,7 +74,6 @@ const TAIL_CALLED: [(&str, &str, &str, u32); 21] = [
     (TC_INGRESS, "tc_ingress_fragment6", MAP_FRAGMENT_PROGRAMS, FRAGMENT_PROG_INGRESS6),
     (TC_EGRESS, "tc_egress_fragment", MAP_FRAGMENT_PROGRAMS, FRAGMENT_PROG_EGRESS),
     (TC_EGRESS, "tc_egress_fragment6", MAP_FRAGMENT_PROGRAMS, FRAGMENT_PROG_EGRESS6),
-    (TC_EGRESS, "tc_masquerade_fragment6", MAP_FRAGMENT_PROGRAMS, FRAGMENT_PROG_MASQUERADE6),
     (TC_TRACE, "tc_trace6", MAP_IPV6_PROGRAMS, IPV6_PROG_TRACE),
 ];
 
