@@ -9,11 +9,13 @@
 //! checksum, in the first, covers the whole datagram: its update there
 //! stands for all).
 //!
-//! Fragments reach this only through the fragment programs
-//! (`FRAGMENT_PROGRAMS`), which ingress and egress tail-call when their
-//! parse meets one: packets that are not fragments pay nothing. The key is
-//! built in a per-CPU slot, off the stack: those programs are the regular
-//! ones plus this, and the regular ones are near the older verifiers' limit.
+//! A first fragment is parsed and translated by ingress and egress
+//! themselves, which remember its ports (`remember_first`); a later one
+//! makes their parse fail, and they hand it by tail call to a small program
+//! of its own (`FRAGMENT_PROGRAMS`) that takes the remembered ports and
+//! follows the flow in conntrack, nothing more: packets that are not
+//! fragments pay nothing, and the verifier little. The key is built in a
+//! per-CPU slot, off the stack, which the programs are short of.
 
 use aya_ebpf::{EbpfContext, helpers::bpf_skb_load_bytes, programs::TcContext};
 use proxy_common::{Addr, Counter, FragmentKey, FragmentPorts};
