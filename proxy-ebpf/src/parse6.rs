@@ -17,7 +17,6 @@ pub const DST_OFF: usize = 24;
 /// Next-header values that announce an extension header (RFC 8200 4.1 and
 /// the IANA list), the Fragment header apart.
 const NEXTHDR_FRAGMENT: u8 = 44;
-const FRAGMENT_HLEN: usize = 8;
 const NEXTHDR_HOP: u8 = 0;
 const NEXTHDR_ROUTING: u8 = 43;
 const NEXTHDR_ESP: u8 = 50;
@@ -26,6 +25,9 @@ const NEXTHDR_DEST: u8 = 60;
 const NEXTHDR_MOBILITY: u8 = 135;
 const NEXTHDR_HIP: u8 = 139;
 const NEXTHDR_SHIM6: u8 = 140;
+/// The Fragment header: next header, reserved, offset (13 bits) with M in
+/// bit 0, then the 32-bit ID.
+const FRAGMENT_HLEN: usize = 8;
 
 /// The IPv6 program's parse; the IPv4 program hands IPv6 frames to it by a
 /// tail call, so neither program's stack holds the other's packet.
@@ -49,7 +51,6 @@ pub fn parse_fragment(ctx: &TcContext) -> Result<Packet, Counter> {
 pub fn parse_in_place(ctx: &TcContext) -> Result<Packet, Counter> {
     parse_with::<true, false>(ctx)
 }
-
 
 #[inline(always)]
 fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter> {
@@ -78,8 +79,7 @@ fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> R
     // paths, so that the common one keeps its constant offsets (and
     // tc_ingress6 its stack). See `fragment`.
     if proto == NEXTHDR_FRAGMENT {
-        // Next header, reserved, offset (13 bits) with M in bit 0, ID; read
-        // straight from the packet.
+        // Read straight from the packet (no stack).
         if read::<u8>(ctx, l4_off) != Some(IPPROTO_UDP) {
             return Err(Counter::Fragment);
         }
