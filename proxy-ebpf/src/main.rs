@@ -143,14 +143,14 @@ mod program {
         };
         let masquerade = ct.flags & CT_MASQUERADE != 0;
         if ct.direction == CT_REPLY {
-            let done = if masquerade { nat::rewrite_dst(ctx, &pkt, &ct.rev_addr, ct.rev_port) } else { Ok(()) };
+            let done = if masquerade { nat::rewrite_dst_address(ctx, &pkt, &ct.rev_addr) } else { Ok(()) };
             set_mark(ctx, REVERSE_NAT_MARK);
             return verdict::<false>(done, Counter::Reply);
         }
         if masquerade {
             set_mark(ctx, MASQUERADE_MARK);
         }
-        verdict::<false>(nat::rewrite_dst(ctx, &pkt, &ct.nat_addr, ct.nat_port), Counter::Established)
+        verdict::<false>(nat::rewrite_dst_address(ctx, &pkt, &ct.nat_addr), Counter::Established)
     }
 
     #[inline(always)]
@@ -448,7 +448,7 @@ mod program {
             count(Counter::SnatFailed);
             return NOT_OURS;
         };
-        match nat6::rewrite_src(&ctx, &pkt, &addr, port) {
+        match nat6::rewrite_src::<true>(&ctx, &pkt, &addr, port) {
             Ok(()) => TC_ACT_OK as i32,
             Err(_) => {
                 count(Counter::RewriteFailed);
@@ -480,15 +480,15 @@ mod program {
         let parsed = parse_family::<V6, true>(ctx);
         let Ok(pkt) = parsed else { return NOT_OURS };
         let source = if mark & MASQUERADE_MARK != 0 {
-            conntrack::snat_choice(&pkt.tuple).map(|e| (e.addr, e.port))
+            conntrack::snat_choice(&pkt.tuple).map(|e| e.addr)
         } else {
-            conntrack::lookup(&pkt.tuple).filter(|e| e.direction == CT_REPLY).map(|e| (e.nat_addr, e.nat_port))
+            conntrack::lookup(&pkt.tuple).filter(|e| e.direction == CT_REPLY).map(|e| e.nat_addr)
         };
-        let Some((addr, port)) = source else {
+        let Some(addr) = source else {
             count(Counter::SnatFailed);
             return NOT_OURS;
         };
-        match nat::rewrite_src(ctx, &pkt, &addr, port) {
+        match nat::rewrite_src_address(ctx, &pkt, &addr) {
             Ok(()) => TC_ACT_OK as i32,
             Err(_) => {
                 count(Counter::RewriteFailed);

@@ -22,23 +22,46 @@ pub const IP_DST_OFF: usize = 16;
 #[inline(always)]
 pub fn rewrite_dst(ctx: &TcContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
     if pkt.v6 {
-        return crate::nat6::rewrite_dst(ctx, pkt, addr, port);
+        return crate::nat6::rewrite_dst::<true>(ctx, pkt, addr, port);
     }
-    rewrite(ctx, pkt, IP_DST_OFF, &pkt.tuple.dst, addr, 2, pkt.tuple.dport, port)
+    rewrite::<true>(ctx, pkt, IP_DST_OFF, &pkt.tuple.dst, addr, 2, pkt.tuple.dport, port)
 }
 
 /// Backend -> client becomes frontend -> client.
 #[inline(always)]
 pub fn rewrite_src(ctx: &TcContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
     if pkt.v6 {
-        return crate::nat6::rewrite_src(ctx, pkt, addr, port);
+        return crate::nat6::rewrite_src::<true>(ctx, pkt, addr, port);
     }
-    rewrite(ctx, pkt, IP_SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
+    rewrite::<true>(ctx, pkt, IP_SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
 }
 
+/// `rewrite_dst` for a later IP fragment, which has no L4 header: the
+/// address only (its first fragment carried the ports and the checksum).
+#[inline(always)]
+pub fn rewrite_dst_address(ctx: &TcContext, pkt: &Packet, addr: &Addr) -> Result<(), i64> {
+    let port = pkt.tuple.dport;
+    if pkt.v6 {
+        return crate::nat6::rewrite_dst::<false>(ctx, pkt, addr, port);
+    }
+    rewrite::<false>(ctx, pkt, IP_DST_OFF, &pkt.tuple.dst, addr, 2, port, port)
+}
+
+/// `rewrite_src` for a later IP fragment (see `rewrite_dst_address`).
+#[inline(always)]
+pub fn rewrite_src_address(ctx: &TcContext, pkt: &Packet, addr: &Addr) -> Result<(), i64> {
+    let port = pkt.tuple.sport;
+    if pkt.v6 {
+        return crate::nat6::rewrite_src::<false>(ctx, pkt, addr, port);
+    }
+    rewrite::<false>(ctx, pkt, IP_SRC_OFF, &pkt.tuple.src, addr, 0, port, port)
+}
+
+/// `L4`: the packet has its L4 header (every packet but a later fragment),
+/// whose port and checksum change too.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn rewrite(
+fn rewrite<const L4: bool>(
     ctx: &TcContext,
     pkt: &Packet,
     ip_field: usize,
@@ -53,10 +76,7 @@ fn rewrite(
     let is_sctp = pkt.proto == IPPROTO_SCTP;
     let (old_octets, new_octets) = (old_addr.v4_octets(), new_addr.v4_octets());
     let addr_changes = old_octets != new_octets;
-    // A later fragment has no L4 header: its first carried the ports and
-    // the checksum (see `fragment`).
-    let l4 = !pkt.later_fragment();
-    let port_changes = old_port != new_port && l4;
+    let port_changes = old_port != new_port && L4;
     // The direct writes come first: the helpers below may move the packet.
     if addr_changes {
         let field = read(ctx, pkt.l3_off + IP_CSUM_OFF)?;
@@ -67,7 +87,7 @@ fn rewrite(
         write(ctx, pkt.l4_off + port_field, new_port)?;
     }
     // SCTP's CRC32c has no pseudo-header: an address change leaves it alone.
-    if addr_changes && !is_sctp && l4 {
+    if addr_changes && !is_sctp && L4 {
         let (old_ip, new_ip) = (u32::from_ne_bytes(old_octets), u32::from_ne_bytes(new_octets));
         ctx.l4_csum_replace(pkt.l4_csum_off, old_ip as u64, new_ip as u64, l4_flags | BPF_F_PSEUDO_HDR as u64 | 4)?;
     }

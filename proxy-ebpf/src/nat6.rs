@@ -12,21 +12,21 @@ use proxy_common::{Addr, IPPROTO_SCTP, IPPROTO_UDP};
 
 use crate::{parse::Packet, parse6, sctp};
 
-/// Client -> frontend becomes client -> backend.
+/// Client -> frontend becomes client -> backend. `L4`: see nat::rewrite.
 #[inline(always)]
-pub fn rewrite_dst(ctx: &TcContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
-    rewrite(ctx, pkt, parse6::DST_OFF, &pkt.tuple.dst, addr, 2, pkt.tuple.dport, port)
+pub fn rewrite_dst<const L4: bool>(ctx: &TcContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
+    rewrite::<L4>(ctx, pkt, parse6::DST_OFF, &pkt.tuple.dst, addr, 2, pkt.tuple.dport, port)
 }
 
 /// Backend -> client becomes frontend -> client.
 #[inline(always)]
-pub fn rewrite_src(ctx: &TcContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
-    rewrite(ctx, pkt, parse6::SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
+pub fn rewrite_src<const L4: bool>(ctx: &TcContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
+    rewrite::<L4>(ctx, pkt, parse6::SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
 }
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn rewrite(
+fn rewrite<const L4: bool>(
     ctx: &TcContext,
     pkt: &Packet,
     ip_field: usize,
@@ -40,11 +40,9 @@ fn rewrite(
     // IPv6 forbids).
     let l4_flags = if pkt.proto == IPPROTO_UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
     let is_sctp = pkt.proto == IPPROTO_SCTP;
-    // A later fragment has no L4 header (see `fragment`).
-    let l4 = !pkt.later_fragment();
     if old_addr != new_addr {
         // SCTP's CRC32c has no pseudo-header: an address change leaves it alone.
-        if !is_sctp && l4 {
+        if !is_sctp && L4 {
             for i in 0..4 {
                 let old = word(old_addr, i);
                 let new = word(new_addr, i);
@@ -55,7 +53,7 @@ fn rewrite(
         }
         ctx.store(pkt.l3_off + ip_field, &new_addr.0, 0)?;
     }
-    if old_port != new_port && l4 {
+    if old_port != new_port && L4 {
         if is_sctp {
             return sctp::rewrite_port(ctx, pkt, port_field, old_port, new_port);
         }

@@ -78,12 +78,6 @@ impl Packet {
         self.proto == IPPROTO_TCP && self.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN | TCP_ACK
     }
 
-    /// A fragment after the first: no L4 header to read or rewrite.
-    #[inline(always)]
-    pub fn later_fragment(&self) -> bool {
-        self.fragment == fragment::LATER
-    }
-
     /// A TCP FIN or RST: this direction of the connection is ending.
     #[inline(always)]
     pub fn closes_connection(&self) -> bool {

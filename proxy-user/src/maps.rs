@@ -83,7 +83,10 @@ pub fn load_tc(ebpf: &mut Ebpf, name: &str) -> Result<()> {
     let load = |ebpf: &mut Ebpf, name: &str| -> Result<ProgramFd> {
         let prog: &mut SchedClassifier =
             ebpf.program_mut(name).with_context(|| format!("TC program {name} missing from the BPF object"))?.try_into()?;
+        let started = std::time::Instant::now();
         prog.load().map_err(|e| crate::kernel::rejected(name, &e))?;
+        // The verifier's time: most of the agent's start.
+        tracing::debug!(program = name, ms = started.elapsed().as_millis() as u64, "program loaded");
         Ok(prog.fd()?.try_clone()?)
     };
     load(ebpf, name)?;
