@@ -7,8 +7,8 @@
 //! the first is still queued, and the map reference that clearing takes is
 //! then never given back: the empty array stays loaded until reboot. Seen
 //! on 6.18: after `cleanup`, polling with `loaded_maps` left an empty
-//! REJECT_PROGRAMS now and then, and 200 quick polls left five of our
-//! program arrays. A test that waits for our objects to go must not be what
+//! REJECT_PROGRAMS now and then; 200 quick polls in each of five runs left
+//! seven of our program arrays. A test that waits for our objects to go must not be what
 //! keeps them, so this lists IDs with BPF_{PROG,MAP}_GET_NEXT_ID, which
 //! takes no reference.
 
