@@ -415,9 +415,10 @@ pub enum Counter {
     CtFull = 5,
     /// Truncated or malformed headers: passed untouched.
     Malformed = 6,
-    /// An IP fragment that cannot follow its datagram: one after the first
-    /// whose first was not seen (it came late, or went another way), or an
-    /// SCTP one (SCTP avoids IP fragmentation). Passed untouched.
+    /// An IP fragment that does not follow its datagram: a TCP or SCTP one
+    /// (both size their packets to the path MTU), or a later one whose first
+    /// was not seen (it came late, or went another way) or made no flow.
+    /// Passed untouched.
     Fragment = 7,
     /// A known flow whose backend vanished, re-balanced.
     Rebalanced = 8,
@@ -456,8 +457,9 @@ pub enum Counter {
     /// A TCP RST that would have been REJECTed: dropped unanswered. A reset
     /// is never answered with a reset (netfilter's REJECT neither), or two
     /// nodes' unserved ports could bounce a spoofed one between them. Also
-    /// an IP fragment that would have been: an error quotes a datagram's
-    /// start, which a later fragment lacks (the kernel answers no fragment).
+    /// a UDP datagram's first fragment that would have been: netfilter
+    /// rejects the reassembled datagram, and a reject built from the
+    /// fragment would quote only part of it.
     RejectSuppressed = 21,
     /// A node packet to a frontend that no socket hook translated (a raw
     /// socket, a process outside `--cgroup-root`, SCTP): a new flow

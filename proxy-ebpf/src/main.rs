@@ -785,8 +785,9 @@ mod program {
     /// (a trace builds the reject inline, unlimited).
     #[inline(always)]
     fn reject_packet<const TRACE: bool, const V6: bool, const NODE: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
-        // A fragment: an error quotes a datagram's start, which a later
-        // fragment lacks; the first is dropped with the rest.
+        // A first fragment (later ones never get here, see `fragment`): a
+        // reject built from it would quote part of a datagram netfilter
+        // rejects whole, after reassembly.
         if pkt.tcp_flags & parse::TCP_RST != 0 || pkt.fragment != fragment::NOT_FRAGMENT {
             note::<TRACE>(Counter::RejectSuppressed);
             return DROP;
