@@ -55,6 +55,10 @@ pub const GLOBAL_SNAT_PORT_MAX: &str = "SNAT_PORT_MAX";
 /// the socket hooks, `bpf_set_retval` (5.18).
 pub const GLOBAL_HAS_COARSE_CLOCK: &str = "HAS_COARSE_CLOCK";
 pub const GLOBAL_HAS_SET_RETVAL: &str = "HAS_SET_RETVAL";
+/// Loader-set global: the bytes of link-layer header before the IP header,
+/// 14 (Ethernet, the default) or 0 in the copy of the TC programs for L3
+/// devices (WireGuard, IPIP, GRE, tun).
+pub const GLOBAL_L2_HLEN: &str = "L2_HLEN";
 /// Above Linux's default ephemeral range (32768-60999).
 pub const DEFAULT_SNAT_PORTS: (u16, u16) = (61000, 65535);
 /// Loader-set globals: the node's ephemeral ports (`ip_local_port_range`,

@@ -30,7 +30,8 @@ use proxy_common::{
 
 use crate::{
     conntrack,
-    parse::{ETH_HLEN, ETH_P_IP},
+    l2,
+    parse::ETH_P_IP,
     parse6::ETH_P_IPV6,
 };
 
@@ -44,17 +45,17 @@ const IPV4_CSUM_OFF: usize = 10;
 /// place mean something else).
 #[inline(always)]
 pub fn ip_protocol<const V6: bool>(ctx: &TcContext) -> Option<u8> {
-    let ethertype = u16::from_be(crate::parse::read::<u16>(ctx, 12)?);
+    let ethertype = l2::ethertype(ctx)?;
     if V6 {
         if ethertype != ETH_P_IPV6 {
             return None;
         }
-        crate::parse::read::<u8>(ctx, ETH_HLEN + 6)
+        crate::parse::read::<u8>(ctx, l2::l3_off() + 6)
     } else {
         if ethertype != ETH_P_IP {
             return None;
         }
-        crate::parse::read::<u8>(ctx, ETH_HLEN + 9)
+        crate::parse::read::<u8>(ctx, l2::l3_off() + 9)
     }
 }
 
@@ -70,7 +71,7 @@ pub fn is_icmp<const V6: bool>(ctx: &TcContext) -> bool {
 /// frame `ip_protocol` accepted.
 #[inline(always)]
 pub fn destination<const V6: bool>(ctx: &TcContext) -> Option<Addr> {
-    let l3 = ETH_HLEN;
+    let l3 = l2::l3_off();
     if V6 {
         Some(Addr(ctx.load(l3 + 24).ok()?))
     } else {
@@ -102,8 +103,8 @@ struct Error {
 
 #[inline(always)]
 fn parse<const V6: bool>(ctx: &TcContext) -> Option<Error> {
-    let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
-    let l3 = ETH_HLEN;
+    let ethertype = l2::ethertype(ctx)?;
+    let l3 = l2::l3_off();
     let (icmp, outer_src, outer_dst) = if V6 {
         if ethertype != ETH_P_IPV6 || ctx.load::<u8>(l3 + 6).ok()? != IPPROTO_ICMPV6 {
             return None;
@@ -272,7 +273,7 @@ fn rewrite_quoted<const V6: bool>(ctx: &TcContext, e: &Error, source: bool, addr
 /// the IPv4 header checksum, or ICMPv6's, which covers it.
 #[inline(always)]
 fn rewrite_outer<const V6: bool>(ctx: &TcContext, e: &Error, source: bool, addr: &Addr) -> Result<(), i64> {
-    let l3 = ETH_HLEN;
+    let l3 = l2::l3_off();
     let old = if source { e.outer_src } else { e.outer_dst };
     if V6 {
         for i in 0..4 {

@@ -11,6 +11,8 @@ mod fragment;
 #[cfg(target_arch = "bpf")]
 mod icmp;
 #[cfg(target_arch = "bpf")]
+mod l2;
+#[cfg(target_arch = "bpf")]
 mod lb;
 #[cfg(target_arch = "bpf")]
 mod maps;
@@ -598,10 +600,10 @@ mod program {
 
     /// Delivers the packet as if it had come through loopback: addressed to
     /// loopback's all-zero MAC, or the stack would take it for another
-    /// host's.
+    /// host's (from an L3 device, with an Ethernet header put in front).
     #[inline(always)]
     fn to_loopback(ctx: &TcContext) -> i32 {
-        if ctx.store(0, &[0u8; 6], 0).is_err() {
+        if crate::l2::push_ethernet(ctx).is_err() || ctx.store(0, &[0u8; 6], 0).is_err() {
             note::<false>(Counter::RewriteFailed);
             return DROP;
         }

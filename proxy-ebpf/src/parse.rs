@@ -11,13 +11,16 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
-use crate::fragment;
+use crate::{
+    fragment,
+    l2::{self, ETH_HLEN},
+};
 
-pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
 const IP_MF_AND_OFFSET: u16 = 0x3fff;
 const IP_OFFSET: u16 = 0x1fff;
-/// The most `parse` reads: Ethernet, IPv4 with the longest options, TCP.
+/// The most `parse` reads: Ethernet (if any), IPv4 with the longest
+/// options, TCP.
 const MAX_HEADERS: usize = ETH_HLEN + 60 + 20;
 
 pub struct Packet {
@@ -112,8 +115,7 @@ pub fn parse_fragment(ctx: &TcContext) -> Result<Packet, Counter> {
 
 #[inline(always)]
 fn parse_with<const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter> {
-    let ethertype = u16::from_be(read::<u16>(ctx, 12).ok_or(Counter::Malformed)?);
-    if ethertype != ETH_P_IP {
+    if l2::ethertype(ctx).ok_or(Counter::Malformed)? != ETH_P_IP {
         return Err(Counter::Passed);
     }
     // Make every header parse may read linear (or the whole packet, if shorter).
@@ -121,8 +123,11 @@ fn parse_with<const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter>
     if ctx.data() + want > ctx.data_end() {
         ctx.pull_data(want as u32).map_err(|_| Counter::Malformed)?;
     }
-    let l3_off = ETH_HLEN;
-    let ver_ihl: u8 = read(ctx, l3_off).ok_or(Counter::Malformed)?;
+    let l3_off = l2::l3_off();
+    // Read with the next byte: for a one-byte read at an offset the
+    // compiler does not know (the link layer's), it turns the bounds check
+    // into `at >= end`, which the verifier does not take as one.
+    let [ver_ihl, _] = read::<[u8; 2]>(ctx, l3_off).ok_or(Counter::Malformed)?;
     let ihl = ((ver_ihl & 0x0f) as usize) * 4;
     if ver_ihl >> 4 != 4 || ihl < 20 {
         return Err(Counter::Malformed);

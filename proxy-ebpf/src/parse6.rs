@@ -6,7 +6,10 @@
 use aya_ebpf::{EbpfContext, helpers::bpf_skb_load_bytes, programs::TcContext};
 use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
-use crate::parse::{ETH_HLEN, Packet, read};
+use crate::{
+    l2,
+    parse::{Packet, read},
+};
 
 pub const ETH_P_IPV6: u16 = 0x86dd;
 pub const IPV6_HLEN: usize = 40;
@@ -56,11 +59,10 @@ pub fn parse_in_place(ctx: &TcContext) -> Result<Packet, Counter> {
 fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter> {
     // skb->protocol sent the frame here; the frame itself must agree (a
     // VLAN tag, say, would put other bytes where the header is read).
-    let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| Counter::Malformed)?);
-    if ethertype != ETH_P_IPV6 {
+    if l2::ethertype(ctx).ok_or(Counter::Malformed)? != ETH_P_IPV6 {
         return Err(Counter::Passed);
     }
-    let l3_off = ETH_HLEN;
+    let l3_off = l2::l3_off();
     let version: u8 = ctx.load(l3_off).map_err(|_| Counter::Malformed)?;
     if version >> 4 != 6 {
         return Err(Counter::Malformed);
@@ -137,7 +139,7 @@ fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> R
 /// A UDP datagram's first fragment, after the Fragment header.
 #[inline(always)]
 fn first_fragment<const IN_PLACE: bool>(ctx: &TcContext, l4_end: usize) -> Result<Packet, Counter> {
-    let l3_off = ETH_HLEN;
+    let l3_off = l2::l3_off();
     let l4_off = l3_off + IPV6_HLEN + FRAGMENT_HLEN;
     if l4_off + 8 > l4_end {
         return Err(Counter::Malformed);
@@ -168,7 +170,7 @@ fn first_fragment<const IN_PLACE: bool>(ctx: &TcContext, l4_end: usize) -> Resul
 /// A UDP datagram's later fragment, with its first's ports.
 #[inline(always)]
 fn later_fragment(ctx: &TcContext, l4_end: usize) -> Result<Packet, Counter> {
-    let l3_off = ETH_HLEN;
+    let l3_off = l2::l3_off();
     let id = u32::from_be(ctx.load(l3_off + IPV6_HLEN + 4).map_err(|_| Counter::Malformed)?);
     let key = crate::fragment::key_v6(ctx, l3_off, id, IPPROTO_UDP).ok_or(Counter::Fragment)?;
     let ports = crate::fragment::ports_of(key).ok_or(Counter::Fragment)?;

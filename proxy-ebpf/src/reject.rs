@@ -20,11 +20,11 @@ use aya_ebpf::{
 use proxy_common::IPPROTO_TCP;
 
 use crate::{
+    l2::{self, ETH_ALEN, ETH_HLEN},
     maps::SCRATCH,
-    parse::{ETH_HLEN, Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
-pub const ETH_ALEN: usize = 6;
 const ETH_P_IP: u16 = 0x0800;
 const IPV4_HLEN: usize = 20;
 pub const TCP_HLEN: usize = 20;
@@ -33,12 +33,14 @@ const ICMP_HLEN: usize = 8;
 const QUOTE_LEN: usize = IPV4_HLEN + 8;
 const ICMP_L3_LEN: usize = IPV4_HLEN + ICMP_HLEN + QUOTE_LEN;
 const RST_L3_LEN: usize = IPV4_HLEN + TCP_HLEN;
-/// The largest frame built here (the ICMP one).
+/// The largest frame built here (the ICMP one), with an Ethernet header
+/// (left out on an L3 device, see `l2::store_frame`).
 pub const OUT_LEN: usize = ETH_HLEN + ICMP_L3_LEN;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
 const IPPROTO_ICMP: u8 = 1;
-const TCP_CSUM_OFF: usize = ETH_HLEN + IPV4_HLEN + 16;
+/// In the IP packet.
+const TCP_CSUM_OFF: usize = IPV4_HLEN + 16;
 
 /// Rewrites the packet into the reject; the caller redirects it (and keeps
 /// this subprogram's stack frame small: older verifiers sum every frame of
@@ -48,17 +50,20 @@ const TCP_CSUM_OFF: usize = ETH_HLEN + IPV4_HLEN + 16;
 /// frames) is already used by the lookup path.
 #[inline(never)]
 pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<(), i64> {
-    if pkt.l3_off != ETH_HLEN || pkt.l4_off - pkt.l3_off != IPV4_HLEN {
+    let l3 = l2::l3_off();
+    if pkt.l3_off != l3 || pkt.l4_off - pkt.l3_off != IPV4_HLEN {
         return Err(-1);
     }
     let buf = unsafe { &mut *SCRATCH.get_ptr_mut(0).ok_or(-1i64)? };
     buf.fill(0);
     // Ethernet: back to the sender (fixed-size loads: the verifier rejects a
     // length it cannot bound below).
-    buf[..ETH_ALEN].copy_from_slice(&ctx.load::<[u8; ETH_ALEN]>(ETH_ALEN)?);
-    buf[ETH_ALEN..2 * ETH_ALEN].copy_from_slice(&ctx.load::<[u8; ETH_ALEN]>(0)?);
-    buf[12..14].copy_from_slice(&ETH_P_IP.to_be_bytes());
-    let orig_ip: [u8; IPV4_HLEN] = ctx.load(ETH_HLEN)?;
+    if l2::has_ethernet() {
+        buf[..ETH_ALEN].copy_from_slice(&ctx.load::<[u8; ETH_ALEN]>(ETH_ALEN)?);
+        buf[ETH_ALEN..2 * ETH_ALEN].copy_from_slice(&ctx.load::<[u8; ETH_ALEN]>(0)?);
+        buf[12..14].copy_from_slice(&ETH_P_IP.to_be_bytes());
+    }
+    let orig_ip: [u8; IPV4_HLEN] = ctx.load(l3)?;
 
     let len = if pkt.tuple.proto == IPPROTO_TCP { tcp_rst(ctx, buf, &orig_ip)? } else { icmp_unreachable(ctx, buf, &orig_ip)? };
     // IPv4 header: from the address the client dialled, back to the client.
@@ -72,20 +77,19 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<(), i64> {
     ip[10..12].copy_from_slice(&(!ip_csum).to_be_bytes());
 
     // Probe before the final write, on the frame's own checksum field.
+    let new_len = (l3 + len - ETH_HLEN) as u32;
     let partial = pkt.tuple.proto == IPPROTO_TCP && {
-        ctx.change_tail(len as u32, 0)?;
-        crate::skb::checksum_is_partial(ctx, TCP_CSUM_OFF)?
+        ctx.change_tail(new_len, 0)?;
+        crate::skb::checksum_is_partial(ctx, l3 + TCP_CSUM_OFF)?
     };
     // Stores of a fixed size, within the new length.
     if pkt.tuple.proto == IPPROTO_TCP {
         finish_tcp_checksum(buf, partial);
-        let rst: &[u8; ETH_HLEN + RST_L3_LEN] = buf[..ETH_HLEN + RST_L3_LEN].try_into().map_err(|_| -1i64)?;
-        ctx.store(0, rst, 0)?;
+        l2::store_frame::<RST_L3_LEN>(ctx, buf)
     } else {
-        ctx.change_tail(len as u32, 0)?;
-        ctx.store(0, &*buf, 0)?;
+        ctx.change_tail(new_len, 0)?;
+        l2::store_frame::<ICMP_L3_LEN>(ctx, buf)
     }
-    Ok(())
 }
 
 /// The reset, its TCP header loaded where the segment's was (map memory, not
@@ -94,7 +98,7 @@ fn tcp_rst(ctx: &TcContext, buf: &mut [u8; OUT_LEN], orig_ip: &[u8; IPV4_HLEN]) 
     let total = u16::from_be_bytes([orig_ip[2], orig_ip[3]]) as u32;
     buf[ETH_HLEN + 9] = IPPROTO_TCP;
     let tcp: &mut [u8; TCP_HLEN] = (&mut buf[ETH_HLEN + IPV4_HLEN..ETH_HLEN + RST_L3_LEN]).try_into().map_err(|_| -1i64)?;
-    load(ctx, ETH_HLEN + IPV4_HLEN, tcp)?;
+    load(ctx, l2::l3_off() + IPV4_HLEN, tcp)?;
     reset_in_place(tcp, total.saturating_sub(IPV4_HLEN as u32));
     Ok(ETH_HLEN + RST_L3_LEN)
 }
@@ -151,7 +155,7 @@ fn icmp_unreachable(ctx: &TcContext, buf: &mut [u8; OUT_LEN], orig_ip: &[u8; IPV
     let icmp = ETH_HLEN + IPV4_HLEN;
     let quote = icmp + ICMP_HLEN;
     buf[quote..quote + IPV4_HLEN].copy_from_slice(orig_ip);
-    buf[quote + IPV4_HLEN..quote + QUOTE_LEN].copy_from_slice(&ctx.load::<[u8; 8]>(ETH_HLEN + IPV4_HLEN)?);
+    buf[quote + IPV4_HLEN..quote + QUOTE_LEN].copy_from_slice(&ctx.load::<[u8; 8]>(l2::l3_off() + IPV4_HLEN)?);
     buf[ETH_HLEN + 9] = IPPROTO_ICMP;
     buf[icmp] = ICMP_DEST_UNREACH;
     buf[icmp + 1] = ICMP_PORT_UNREACH;

@@ -14,9 +14,10 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::IPPROTO_TCP;
 
 use crate::{
+    l2::{self, ETH_ALEN, ETH_HLEN},
     maps::SCRATCH6,
-    parse::{ETH_HLEN, Packet},
-    reject::{ETH_ALEN, TCP_HLEN, fold, load, reset_in_place, sum},
+    parse::Packet,
+    reject::{TCP_HLEN, fold, load, reset_in_place, sum},
 };
 
 const ETH_P_IPV6: u16 = 0x86dd;
@@ -26,16 +27,20 @@ const ICMP6_HLEN: usize = 8;
 /// what a receiver needs to find the socket, well within the minimum MTU.
 const QUOTE_LEN: usize = IPV6_HLEN + 8;
 const ICMP6_LEN: usize = ICMP6_HLEN + QUOTE_LEN;
-const RST_LEN: usize = ETH_HLEN + IPV6_HLEN + TCP_HLEN;
-/// The largest frame built here (the ICMPv6 one).
-pub const OUT_LEN: usize = ETH_HLEN + IPV6_HLEN + ICMP6_LEN;
+const RST_L3_LEN: usize = IPV6_HLEN + TCP_HLEN;
+const ICMP6_L3_LEN: usize = IPV6_HLEN + ICMP6_LEN;
+/// The largest frame built here (the ICMPv6 one), with an Ethernet header
+/// (left out on an L3 device, see `l2::store_frame`).
+pub const OUT_LEN: usize = ETH_HLEN + ICMP6_L3_LEN;
+/// The L4 header in the frame.
 const L4: usize = ETH_HLEN + IPV6_HLEN;
 const ICMP6_DST_UNREACH: u8 = 1;
 const ICMP6_PORT_UNREACH: u8 = 4;
 const IPPROTO_ICMPV6: u8 = 58;
-/// Where checksum completion of the original TCP / UDP packet writes.
-const TCP_CSUM_OFF: usize = L4 + 16;
-const UDP_CSUM_OFF: usize = L4 + 6;
+/// Where checksum completion of the original TCP / UDP packet writes, from
+/// its L4 header.
+const TCP_CSUM_OFF: usize = 16;
+const UDP_CSUM_OFF: usize = 6;
 
 /// Rewrites the packet into the reject; the caller redirects it. Only a packet without extension headers gets here
 /// (parse6 leaves the others alone). Everything is loaded straight into the
@@ -43,18 +48,21 @@ const UDP_CSUM_OFF: usize = L4 + 6;
 /// stack, and an IPv6 header is 40 bytes.
 #[inline(always)]
 pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<(), i64> {
-    if pkt.l3_off != ETH_HLEN || pkt.l4_off != L4 {
+    let l3 = l2::l3_off();
+    if pkt.l3_off != l3 || pkt.l4_off != l3 + IPV6_HLEN {
         return Err(-1);
     }
     let buf = unsafe { &mut *SCRATCH6.get_ptr_mut(0).ok_or(-1i64)? };
     buf.fill(0);
     // Ethernet back to the sender; IPv6 from the address dialled back to the client.
-    load(ctx, ETH_ALEN, &mut buf[..ETH_ALEN])?;
-    load(ctx, 0, &mut buf[ETH_ALEN..2 * ETH_ALEN])?;
-    buf[12..14].copy_from_slice(&ETH_P_IPV6.to_be_bytes());
-    load(ctx, ETH_HLEN + 24, &mut buf[ETH_HLEN + 8..ETH_HLEN + 24])?;
-    load(ctx, ETH_HLEN + 8, &mut buf[ETH_HLEN + 24..L4])?;
-    let orig_payload: u16 = u16::from_be(ctx.load(ETH_HLEN + 4)?);
+    if l2::has_ethernet() {
+        load(ctx, ETH_ALEN, &mut buf[..ETH_ALEN])?;
+        load(ctx, 0, &mut buf[ETH_ALEN..2 * ETH_ALEN])?;
+        buf[12..14].copy_from_slice(&ETH_P_IPV6.to_be_bytes());
+    }
+    load(ctx, l3 + 24, &mut buf[ETH_HLEN + 8..ETH_HLEN + 24])?;
+    load(ctx, l3 + 8, &mut buf[ETH_HLEN + 24..L4])?;
+    let orig_payload: u16 = u16::from_be(ctx.load(l3 + 4)?);
     let tcp = pkt.tuple.proto == IPPROTO_TCP;
 
     let payload = if tcp { TCP_HLEN } else { ICMP6_LEN };
@@ -63,37 +71,38 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<(), i64> {
     ip[4..6].copy_from_slice(&(payload as u16).to_be_bytes());
     ip[6] = if tcp { IPPROTO_TCP } else { IPPROTO_ICMPV6 };
     ip[7] = 64;
-    // Pseudo-header (RFC 8200 8.1): addresses, upper-layer length, next header.
-    let pseudo = sum(&buf[ETH_HLEN + 8..L4], payload as u32 + buf[ETH_HLEN + 6] as u32);
 
     if tcp {
         // The segment's header, loaded where the reset's goes, then rewritten.
         let tcp: &mut [u8; TCP_HLEN] = (&mut buf[L4..L4 + TCP_HLEN]).try_into().map_err(|_| -1i64)?;
-        load(ctx, L4, tcp)?;
+        load(ctx, l3 + IPV6_HLEN, tcp)?;
         reset_in_place(tcp, orig_payload as u32);
     } else {
         // The original IPv6 header and the 8 bytes after it.
-        load(ctx, ETH_HLEN, &mut buf[L4 + ICMP6_HLEN..L4 + ICMP6_LEN])?;
+        load(ctx, l3, &mut buf[L4 + ICMP6_HLEN..L4 + ICMP6_LEN])?;
         buf[L4] = ICMP6_DST_UNREACH;
         buf[L4 + 1] = ICMP6_PORT_UNREACH;
     }
-    let len = L4 + payload;
+    let len = l3 + IPV6_HLEN + payload;
     ctx.change_tail(len as u32, 0)?;
     // Probe before the final write, on the offset completion would write.
-    let partial = crate::skb::checksum_is_partial(ctx, if tcp { TCP_CSUM_OFF } else { UDP_CSUM_OFF })?;
+    let partial = crate::skb::checksum_is_partial(ctx, l3 + IPV6_HLEN + if tcp { TCP_CSUM_OFF } else { UDP_CSUM_OFF })?;
+    // Pseudo-header (RFC 8200 8.1): addresses, upper-layer length, next
+    // header. Summed after the helper calls: LLVM would otherwise load the
+    // bytes before them and keep them on the stack across.
+    let pseudo = sum(&buf[ETH_HLEN + 8..L4], payload as u32 + buf[ETH_HLEN + 6] as u32);
     if tcp {
         let csum = if partial { fold(pseudo) } else { !fold(sum(&buf[L4..L4 + TCP_HLEN], pseudo)) };
-        buf[L4 + 16..L4 + 18].copy_from_slice(&csum.to_be_bytes());
-        let rst: &[u8; RST_LEN] = buf[..RST_LEN].try_into().map_err(|_| -1i64)?;
-        ctx.store(0, rst, 0)?;
+        buf[L4 + TCP_CSUM_OFF..L4 + TCP_CSUM_OFF + 2].copy_from_slice(&csum.to_be_bytes());
+        l2::store_frame::<RST_L3_LEN>(ctx, buf)?;
     } else {
         if partial {
-            buf[UDP_CSUM_OFF..UDP_CSUM_OFF + 2].copy_from_slice(&fold(pseudo).to_be_bytes());
+            buf[L4 + UDP_CSUM_OFF..L4 + UDP_CSUM_OFF + 2].copy_from_slice(&fold(pseudo).to_be_bytes());
         } else {
             let csum = !fold(sum(&buf[L4..L4 + ICMP6_LEN], pseudo));
             buf[L4 + 2..L4 + 4].copy_from_slice(&csum.to_be_bytes());
         }
-        ctx.store(0, &*buf, 0)?;
+        l2::store_frame::<ICMP6_L3_LEN>(ctx, buf)?;
     }
     Ok(())
 }

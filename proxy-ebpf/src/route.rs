@@ -4,6 +4,9 @@
 //! and the packet is redirected there, where egress runs again (and
 //! masquerades it to that interface's address, as kube-proxy's POSTROUTING
 //! does after its OUTPUT chain's DNAT).
+//! A packet met on an L3 device gets an Ethernet header first: the
+//! redirect needs one towards an Ethernet device, and strips it towards
+//! another L3 device.
 
 use aya_ebpf::{
     EbpfContext,
@@ -16,8 +19,8 @@ use proxy_common::Counter;
 use crate::{
     maps::FIB_SCRATCH,
     nat::{IP_DST_OFF, IP_SRC_OFF},
+    l2::{self, ETH_ALEN},
     parse, parse6,
-    reject::ETH_ALEN,
 };
 
 const AF_INET: u8 = 2;
@@ -53,13 +56,17 @@ pub fn to_destination<const V6: bool>(ctx: &TcContext, l3_off: usize, proto: u8)
         BPF_FIB_LKUP_RET_SUCCESS => {
             // SAFETY: the lookup filled the MAC addresses.
             let macs = unsafe { fib.__bindgen_anon_6.__bindgen_anon_2 };
+            l2::push_ethernet(ctx).map_err(|_| Counter::RewriteFailed)?;
             ctx.store(0, &macs.dmac, 0).map_err(|_| Counter::RewriteFailed)?;
             ctx.store(ETH_ALEN, &macs.smac, 0).map_err(|_| Counter::RewriteFailed)?;
             Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
         }
         // The neighbour is not resolved yet: the kernel resolves it and
         // fills the MAC addresses (Linux 5.10).
-        BPF_FIB_LKUP_RET_NO_NEIGH => Ok(unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) } as i32),
+        BPF_FIB_LKUP_RET_NO_NEIGH => {
+            l2::push_ethernet(ctx).map_err(|_| Counter::RewriteFailed)?;
+            Ok(unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) } as i32)
+        }
         _ => Err(Counter::NodeRouteFailed),
     }
 }

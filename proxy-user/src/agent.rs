@@ -56,7 +56,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
         conntrack: ConntrackSize::from_flags(args.conntrack_max_per_core, args.conntrack_min, map_sizes::cpus())?,
         services: ServiceMapSize::from_flag(args.service_map_entries)?,
     };
-    let (mut ebpf, mut maps) = maps::load_with(&args.bpffs_root, &snat_ports, &sizes, &features)?;
+    let options = maps::LoadOptions { root: args.bpffs_root.clone(), ports: snat_ports.clone(), sizes, features };
+    let (mut ebpf, mut maps) = maps::load_with(&options)?;
     let held = maps.read_contents().context("read pinned maps")?;
     info!(
         bpffs_root = %args.bpffs_root.display(),
@@ -89,7 +90,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         cgroup::attach(&mut ebpf, &args.bpffs_root, root)?;
     }
     crate::sysctl::accept_local_on_loopback_or_warn(&args.sysctl_root);
-    let attacher = Attacher::new(ebpf, mode, &args.bpffs_root, args.devices.clone())?;
+    let attacher = Attacher::new(ebpf, options, mode, args.devices.clone())?;
     let (ready_tx, ready_rx) = oneshot::channel();
     let mut attach_task = tokio::spawn(attacher.run(ready_tx));
     if ready_rx.await.is_err() {

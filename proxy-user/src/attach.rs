@@ -6,6 +6,12 @@
 //! process outside --cgroup-root) are met; nothing arrives there from
 //! outside.
 //!
+//! Interfaces get the copy of the programs for their link type: Ethernet
+//! (and loopback), or L3 devices without a link-layer header (WireGuard and
+//! tun: ARPHRD_NONE; IPIP, SIT, GRE and their IPv6 kinds), loaded the first
+//! time one appears (`maps::load_for_l3_devices`). Any other link type is
+//! left alone, with a log line saying why.
+//!
 //! Two ways, one promise: the programs outlive the agent, and a restarted
 //! agent swaps its programs in atomically (never a moment with none or two).
 //! - TCX (Linux 6.6+, found by probing): links pinned under
@@ -16,8 +22,8 @@
 //!   Filters belong to the interface, so nothing is pinned for them.
 
 use std::{
-    collections::BTreeMap,
-    path::{Path, PathBuf},
+    collections::{BTreeMap, BTreeSet},
+    path::PathBuf,
 };
 
 use anyhow::{Context, Result};
@@ -39,7 +45,7 @@ use tracing::{debug, info, warn};
 
 use crate::{
     cli::TcAttachMode,
-    maps::{TC_EGRESS, TC_INGRESS, links_dir},
+    maps::{self, LinkKind, LoadOptions, TC_EGRESS, TC_INGRESS, links_dir},
 };
 
 /// A TC program, the hook it runs at, and the prefix of its link pins.
@@ -119,8 +125,36 @@ fn keep_attached(link: SchedClassifierLink) {
     std::mem::forget(link);
 }
 
+/// The copy of the programs a link type gets; None: a link type whose
+/// packets they cannot read (InfiniBand, CAN, PPP...).
+pub fn link_kind(link_type: LinkLayerType) -> Option<LinkKind> {
+    match link_type {
+        LinkLayerType::Ether | LinkLayerType::Loopback => Some(LinkKind::Ethernet),
+        LinkLayerType::None
+        | LinkLayerType::Tunnel
+        | LinkLayerType::Tunnel6
+        | LinkLayerType::Sit
+        | LinkLayerType::Ipgre
+        | LinkLayerType::Ip6gre
+        | LinkLayerType::Rawip => Some(LinkKind::L3),
+        _ => None,
+    }
+}
+
+/// The copy of the programs for L3 devices: loaded when the first one
+/// appears (most nodes have none, and the verifier's time is the agent's
+/// start-up).
+enum L3Programs {
+    NotLoaded,
+    Loaded(Ebpf),
+    /// The kernel refused them: L3 devices are skipped, the rest served.
+    Refused(String),
+}
+
 pub struct Attacher {
     ebpf: Ebpf,
+    l3: L3Programs,
+    options: LoadOptions,
     mode: AttachMode,
     root: PathBuf,
     links: PathBuf,
@@ -128,41 +162,98 @@ pub struct Attacher {
     /// interface.
     devices: Option<Vec<String>>,
     attached: BTreeMap<u32, String>,
+    /// Interfaces of a link type we leave alone, logged once each.
+    unsupported: BTreeSet<u32>,
 }
 
 impl Attacher {
-    /// `ebpf` with the TC programs loaded (`maps::load_tc`).
-    pub fn new(ebpf: Ebpf, mode: AttachMode, root: &Path, devices: Option<Vec<String>>) -> Result<Self> {
-        let links = links_dir(root);
+    /// `ebpf` with the TC programs loaded (`maps::load_tc`), as loaded with
+    /// `options` (which load the L3 copy if needed).
+    pub fn new(ebpf: Ebpf, options: LoadOptions, mode: AttachMode, devices: Option<Vec<String>>) -> Result<Self> {
+        let root = options.root.clone();
+        let links = links_dir(&root);
         std::fs::create_dir_all(&links).with_context(|| format!("create {}", links.display()))?;
-        Ok(Attacher { ebpf, mode, root: root.to_path_buf(), links, devices, attached: BTreeMap::new() })
+        Ok(Attacher {
+            ebpf,
+            l3: L3Programs::NotLoaded,
+            options,
+            mode,
+            root,
+            links,
+            devices,
+            attached: BTreeMap::new(),
+            unsupported: BTreeSet::new(),
+        })
     }
 
-    /// The interface's name and the hooks it gets, if any.
-    fn wanted(&self, link: &LinkMessage) -> Option<(String, &'static [Hook])> {
+    /// The interface's name, the hooks it gets and the copy of the programs
+    /// for its link type, if any.
+    fn wanted(&mut self, link: &LinkMessage) -> Option<(String, &'static [Hook], LinkKind)> {
         let name = link.attributes.iter().find_map(|a| match a {
             LinkAttribute::IfName(n) => Some(n.clone()),
             _ => None,
         })?;
-        if link.header.link_layer_type == LinkLayerType::Loopback {
-            return Some((name, &HOOKS[1..]));
+        let link_type = link.header.link_layer_type;
+        if link_type == LinkLayerType::Loopback {
+            return Some((name, &HOOKS[1..], LinkKind::Ethernet));
         }
-        let wanted = self.devices.as_ref().is_none_or(|list| list.contains(&name));
-        wanted.then_some((name, &HOOKS[..]))
+        if !self.devices.as_ref().is_none_or(|list| list.contains(&name)) {
+            return None;
+        }
+        let Some(kind) = link_kind(link_type) else {
+            if self.unsupported.insert(link.header.index) {
+                warn!(
+                    interface = %name,
+                    ?link_type,
+                    "not attached: the programs read Ethernet frames or, on L3 devices (WireGuard, tun, IPIP, GRE), \
+                     IP packets; this link type is neither, so its traffic is not translated"
+                );
+            }
+            return None;
+        };
+        Some((name, &HOOKS[..], kind))
+    }
+
+    /// The loaded programs for `kind`, loading the L3 copy the first time.
+    fn programs(&mut self, kind: LinkKind) -> Result<&mut Ebpf> {
+        if kind == LinkKind::Ethernet {
+            return Ok(&mut self.ebpf);
+        }
+        if matches!(self.l3, L3Programs::NotLoaded) {
+            self.l3 = match maps::load_for_l3_devices(&self.options) {
+                Ok(ebpf) => {
+                    info!("TC programs loaded for L3 devices");
+                    L3Programs::Loaded(ebpf)
+                }
+                Err(e) => L3Programs::Refused(format!("{e:#}")),
+            };
+        }
+        match &mut self.l3 {
+            L3Programs::Loaded(ebpf) => Ok(ebpf),
+            L3Programs::Refused(why) => anyhow::bail!("the TC programs for L3 devices did not load: {why}"),
+            L3Programs::NotLoaded => unreachable!("loaded above"),
+        }
+    }
+
+    fn program(&mut self, kind: LinkKind, program: &str) -> Result<&mut SchedClassifier> {
+        let ebpf = self.programs(kind)?;
+        let prog = ebpf.program_mut(program).with_context(|| format!("TC program {program} missing"))?;
+        Ok(prog.try_into()?)
     }
 
     fn pin_path(&self, hook: &str, ifindex: u32) -> PathBuf {
         self.links.join(format!("{hook}-{ifindex}"))
     }
 
-    /// Attaches the programs of `hooks` to an interface.
-    fn attach(&mut self, ifindex: u32, name: &str, hooks: &[Hook]) -> Result<()> {
+    /// Attaches the programs of `hooks` (their copy for `kind`) to an
+    /// interface.
+    fn attach(&mut self, ifindex: u32, name: &str, hooks: &[Hook], kind: LinkKind) -> Result<()> {
         if self.attached.contains_key(&ifindex) {
             return Ok(());
         }
         for &(program, attach_type, hook) in hooks {
-            let adopted = self.attach_one(program, attach_type, hook, ifindex, name)?;
-            info!(interface = %name, ifindex, hook, adopted, mode = self.mode.name(), "attached");
+            let adopted = self.attach_one(kind, program, attach_type, hook, ifindex, name)?;
+            info!(interface = %name, ifindex, hook, adopted, mode = self.mode.name(), link = kind.name(), "attached");
         }
         self.attached.insert(ifindex, name.to_string());
         Ok(())
@@ -172,24 +263,41 @@ impl Attacher {
     /// (true: adopted). What a previous agent in the other mode left goes
     /// once ours runs (for a moment both run: the second sees translated
     /// packets, which match no frontend, and passes them).
-    fn attach_one(&mut self, program: &str, attach_type: TcAttachType, hook: &str, ifindex: u32, name: &str) -> Result<bool> {
+    fn attach_one(
+        &mut self,
+        kind: LinkKind,
+        program: &str,
+        attach_type: TcAttachType,
+        hook: &str,
+        ifindex: u32,
+        name: &str,
+    ) -> Result<bool> {
         match self.mode {
             AttachMode::Tcx => {
-                let adopted = self.attach_tcx(program, attach_type, hook, ifindex, name)?;
+                let adopted = self.attach_tcx(kind, program, attach_type, hook, ifindex, name)?;
                 if let Ok(link) = netlink_filter(ifindex, attach_type) {
                     let _ = link.detach();
                 }
                 Ok(adopted)
             }
             AttachMode::Netlink => {
-                let adopted = self.attach_netlink(program, attach_type, ifindex, name)?;
+                let adopted = self.attach_netlink(kind, program, attach_type, ifindex, name)?;
                 let _ = std::fs::remove_file(self.pin_path(hook, ifindex));
                 Ok(adopted)
             }
         }
     }
 
-    fn attach_netlink(&mut self, program: &str, attach_type: TcAttachType, ifindex: u32, name: &str) -> Result<bool> {
+    fn attach_netlink(
+        &mut self,
+        kind: LinkKind,
+        program: &str,
+        attach_type: TcAttachType,
+        ifindex: u32,
+        name: &str,
+    ) -> Result<bool> {
+        // Loaded first: a copy the kernel refuses leaves no qdisc behind.
+        self.program(kind, program)?;
         // The clsact qdisc may hold others' filters too: one we add is
         // recorded, so `cleanup` removes it (only if nobody else uses it).
         match tc::qdisc_add_clsact(ifindex) {
@@ -197,7 +305,7 @@ impl Attacher {
             Err(tc::TcError::NetlinkError(n)) if n.raw_os_error() == Some(libc::EEXIST) => {}
             Err(e) => return Err(anyhow::Error::new(e).context(format!("add the clsact qdisc to {name} (ifindex {ifindex})"))),
         }
-        let prog: &mut SchedClassifier = self.ebpf.program_mut(program).unwrap().try_into()?;
+        let prog = self.program(kind, program)?;
         // Our filter from a previous agent: the program is replaced in place.
         let adopted = match netlink_filter(ifindex, attach_type).and_then(|l| Ok(prog.attach_to_link(l)?)) {
             Ok(id) => {
@@ -219,9 +327,17 @@ impl Attacher {
         Ok(adopted)
     }
 
-    fn attach_tcx(&mut self, program: &str, attach_type: TcAttachType, hook: &str, ifindex: u32, name: &str) -> Result<bool> {
+    fn attach_tcx(
+        &mut self,
+        kind: LinkKind,
+        program: &str,
+        attach_type: TcAttachType,
+        hook: &str,
+        ifindex: u32,
+        name: &str,
+    ) -> Result<bool> {
         let pin = self.pin_path(hook, ifindex);
-        let prog: &mut SchedClassifier = self.ebpf.program_mut(program).unwrap().try_into()?;
+        let prog = self.program(kind, program)?;
         let adopted = match PinnedLink::from_pin(&pin) {
             Ok(old) => match FdLink::from(old).try_into().map_err(anyhow::Error::from).and_then(|l| Ok(prog.attach_to_link(l)?)) {
                 Ok(_) => true,
@@ -247,6 +363,7 @@ impl Attacher {
     /// The kernel detached the link with the interface; drop our pin.
     fn forget(&mut self, ifindex: u32) {
         crate::clsact::forget(&self.root, ifindex);
+        self.unsupported.remove(&ifindex);
         if let Some(name) = self.attached.remove(&ifindex) {
             for (_, _, hook) in HOOKS {
                 let _ = std::fs::remove_file(self.pin_path(hook, ifindex));
@@ -268,8 +385,8 @@ impl Attacher {
     }
 
     fn handle(&mut self, link: &LinkMessage) {
-        if let Some((name, hooks)) = self.wanted(link) {
-            if let Err(e) = self.attach(link.header.index, &name, hooks) {
+        if let Some((name, hooks, kind)) = self.wanted(link) {
+            if let Err(e) = self.attach(link.header.index, &name, hooks, kind) {
                 // One interface failing must not stop service on the others.
                 warn!(interface = %name, "cannot attach, skipped: {e:#}");
             }

@@ -3,7 +3,8 @@
 //! this network namespace, waits until the kernel has really let go of each
 //! link, then removes the directory if it is left empty. Nothing the agent did not create is
 //! touched: only pins in `<root>/links` (a directory only the agent writes)
-//! and the maps the agent pins by name; anything else is reported and left.
+//! and the maps the agent pins by name (the L3 devices' program arrays in
+//! `<root>/l3`); anything else is reported and left.
 //!
 //! It refuses while an agent holds the root's lock (root_lock), or another
 //! process (an agent of an older build, say) has our maps or links open, and
@@ -31,7 +32,7 @@ use aya::{
 
 use crate::{
     attach::HOOKS,
-    maps::{PINNED_MAPS, links_dir},
+    maps::{l3_programs_dir, links_dir, map_pins},
     root_lock::{self, Lock},
 };
 
@@ -78,9 +79,8 @@ pub fn cleanup(root: &Path) -> Result<()> {
     // attached. Refuse before touching anything.
     let ours = BpfIds {
         links: pins.iter().filter_map(|(_, i)| i.as_ref().map(LinkInfo::id)).collect(),
-        maps: PINNED_MAPS
-            .iter()
-            .filter_map(|name| MapData::from_pin(root.join(name)).ok()?.info().ok())
+        maps: map_pins(root)
+            .filter_map(|path| MapData::from_pin(path).ok()?.info().ok())
             .map(|i| i.id())
             .collect(),
     };
@@ -109,13 +109,13 @@ pub fn cleanup(root: &Path) -> Result<()> {
         }
     }
     let _ = std::fs::remove_dir(&links);
-    for name in PINNED_MAPS {
-        let path = root.join(name);
+    for path in map_pins(root) {
         if path.exists() {
             std::fs::remove_file(&path).with_context(|| format!("unpin {}", path.display()))?;
             removed += 1;
         }
     }
+    let _ = std::fs::remove_dir(l3_programs_dir(root));
     if std::fs::remove_dir(root).is_err() {
         let mut left: Vec<String> =
             std::fs::read_dir(root).into_iter().flatten().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();

@@ -177,41 +177,82 @@ fn memlock_limit() -> Option<libc::rlim_t> {
     (unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } == 0).then_some(limit.rlim_cur)
 }
 
+/// The link layer a copy of the TC programs reads packets for: the object
+/// is loaded once for Ethernet devices (and loopback) and, if the node has
+/// any, once more for L3 devices, whose packets start at the IP header
+/// (see proxy-ebpf's l2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkKind {
+    Ethernet,
+    L3,
+}
+
+impl LinkKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            LinkKind::Ethernet => "ethernet",
+            LinkKind::L3 => "l3",
+        }
+    }
+
+    fn l2_header_len(self) -> u32 {
+        match self {
+            LinkKind::Ethernet => 14,
+            LinkKind::L3 => 0,
+        }
+    }
+}
+
+/// The program arrays the TC programs tail-call through. Each copy of the
+/// programs has its own, so that its tail calls reach programs of its own
+/// link kind: the Ethernet copy's are pinned in `--bpffs-root`, the L3
+/// copy's in `l3_programs_dir`. Every other map is shared.
+pub const PROGRAM_ARRAYS: [&str; 6] = [
+    MAP_IPV6_PROGRAMS, MAP_NODE_PROGRAMS, MAP_NODE6_PROGRAMS, MAP_REJECT_PROGRAMS, MAP_ICMP_PROGRAMS,
+    MAP_FRAGMENT_PROGRAMS,
+];
+
+pub fn l3_programs_dir(root: &Path) -> PathBuf {
+    root.join("l3")
+}
+
+/// Every map pin an agent may have made under `root`: `PINNED_MAPS`, and
+/// the L3 copy's program arrays.
+pub fn map_pins(root: &Path) -> impl Iterator<Item = PathBuf> {
+    let l3 = l3_programs_dir(root);
+    PINNED_MAPS.iter().map(move |name| root.join(name)).chain(PROGRAM_ARRAYS.iter().map(move |name| l3.join(name)))
+}
+
+/// What the object is loaded with, besides its link kind.
+#[derive(Clone)]
+pub struct LoadOptions {
+    pub root: PathBuf,
+    /// The source ports masquerade may use (see snat_ports).
+    pub ports: SnatPorts,
+    /// The sized maps' sizes (kept as pinned where they are).
+    pub sizes: MapSizes,
+    /// The kernel's optional features.
+    pub features: Features,
+}
+
 /// Loads the programs; maps already pinned under `root` are reused, so a
 /// restart keeps services, backends and conntrack.
 pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
-    load_with(root, &SnatPorts::default(), &MapSizes::default(), &crate::kernel::probe()?)
+    let options = LoadOptions {
+        root: root.to_path_buf(),
+        ports: SnatPorts::default(),
+        sizes: MapSizes::default(),
+        features: crate::kernel::probe()?,
+    };
+    load_with(&options)
 }
 
-/// As `load`, with the source ports masquerade may use (see snat_ports),
-/// the sized maps' sizes (kept as pinned where they are) and the kernel's
-/// optional features.
-pub fn load_with(
-    root: &Path,
-    ports: &SnatPorts,
-    sizes: &MapSizes,
-    features: &Features,
-) -> Result<(Ebpf, Maps)> {
+/// As `load`, with the given options: the object for Ethernet devices,
+/// whose maps the agent takes.
+pub fn load_with(options: &LoadOptions) -> Result<(Ebpf, Maps)> {
+    let root = options.root.as_path();
     ensure_bpffs(root)?;
-    let bounds = |r: &RangeInclusive<u16>| (u32::from(*r.start()), u32::from(*r.end()));
-    let (min, max) = bounds(&ports.masquerade);
-    let (eph_min, eph_max) = bounds(&ports.ephemeral);
-    let coarse_clock = u32::from(features.coarse_clock);
-    let set_retval = u32::from(features.sock_set_retval);
-    let mut loader = EbpfLoader::new();
-    for (name, entries) in sizes.adopt_pinned(root) {
-        loader.map_max_entries(name, entries);
-    }
-    let mut ebpf = loader
-        .default_map_pin_directory(root)
-        .override_global(GLOBAL_SNAT_PORT_MIN, &min, true)
-        .override_global(GLOBAL_SNAT_PORT_MAX, &max, true)
-        .override_global(GLOBAL_EPHEMERAL_PORT_MIN, &eph_min, true)
-        .override_global(GLOBAL_EPHEMERAL_PORT_MAX, &eph_max, true)
-        .override_global(GLOBAL_HAS_COARSE_CLOCK, &coarse_clock, true)
-        .override_global(GLOBAL_HAS_SET_RETVAL, &set_retval, true)
-        .load(BPF_OBJECT)
-        .map_err(|e| load_error(e, root))?;
+    let mut ebpf = load_object(options, LinkKind::Ethernet)?;
     let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the BPF object"));
     let mut maps = Maps {
         frontends: take(MAP_FRONTENDS)?.try_into()?,
@@ -233,6 +274,48 @@ pub fn load_with(
     // would skip their check: every flow checks its backend once more.
     maps.bump_backends_epoch()?;
     Ok((ebpf, maps))
+}
+
+/// The copy of the TC programs for L3 devices, ingress and egress through
+/// the verifier: the maps of `load_with`'s, but program arrays of its own.
+pub fn load_for_l3_devices(options: &LoadOptions) -> Result<Ebpf> {
+    let mut ebpf = load_object(options, LinkKind::L3)?;
+    for program in [TC_INGRESS, TC_EGRESS] {
+        load_tc(&mut ebpf, program)?;
+    }
+    Ok(ebpf)
+}
+
+fn load_object(options: &LoadOptions, kind: LinkKind) -> Result<Ebpf> {
+    let root = options.root.as_path();
+    let bounds = |r: &RangeInclusive<u16>| (u32::from(*r.start()), u32::from(*r.end()));
+    let (min, max) = bounds(&options.ports.masquerade);
+    let (eph_min, eph_max) = bounds(&options.ports.ephemeral);
+    let coarse_clock = u32::from(options.features.coarse_clock);
+    let set_retval = u32::from(options.features.sock_set_retval);
+    let l2_header_len = kind.l2_header_len();
+    let mut loader = EbpfLoader::new();
+    for (name, entries) in options.sizes.adopt_pinned(root) {
+        loader.map_max_entries(name, entries);
+    }
+    if kind == LinkKind::L3 {
+        let dir = l3_programs_dir(root);
+        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+        for name in PROGRAM_ARRAYS {
+            loader.map_pin_path(name, dir.join(name));
+        }
+    }
+    loader
+        .default_map_pin_directory(root)
+        .override_global(GLOBAL_SNAT_PORT_MIN, &min, true)
+        .override_global(GLOBAL_SNAT_PORT_MAX, &max, true)
+        .override_global(GLOBAL_EPHEMERAL_PORT_MIN, &eph_min, true)
+        .override_global(GLOBAL_EPHEMERAL_PORT_MAX, &eph_max, true)
+        .override_global(GLOBAL_HAS_COARSE_CLOCK, &coarse_clock, true)
+        .override_global(GLOBAL_HAS_SET_RETVAL, &set_retval, true)
+        .override_global(GLOBAL_L2_HLEN, &l2_header_len, true)
+        .load(BPF_OBJECT)
+        .map_err(|e| load_error(e, root))
 }
 
 fn open_pin(root: &Path, name: &str) -> Result<Map> {

@@ -25,6 +25,7 @@ pub mod netns;
 pub mod sctp;
 pub mod sctp_bench;
 pub mod topology;
+pub mod tun_link;
 
 /// A short random suffix: interface names are limited to 15 bytes.
 pub fn unique_suffix() -> String {

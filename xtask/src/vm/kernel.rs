@@ -28,9 +28,9 @@ pub const SERIES: [(&str, &str); 4] = [("5.10", "bullseye"), ("6.1", "bookworm")
 
 /// Loaded at boot: 9p for the shared workspace, and what the tests use
 /// (veth, the conformance cluster's bridge, clsact and tc BPF filters for
-/// kernels without TCX). Built-in ones are skipped.
+/// kernels without TCX, tun for the L3 devices). Built-in ones are skipped.
 pub const MODULES: &[&str] =
-    &["virtio_pci", "9pnet_virtio", "9p", "veth", "bridge", "sch_ingress", "cls_bpf", "act_bpf", "overlay"];
+    &["virtio_pci", "9pnet_virtio", "9p", "veth", "bridge", "sch_ingress", "cls_bpf", "act_bpf", "overlay", "tun"];
 
 /// In the initrd, but loaded only after the tests, to show they load: the
 /// tests that craft SCTP packets expect no kernel SCTP stack (which would
