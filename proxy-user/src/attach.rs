@@ -141,6 +141,14 @@ pub fn link_kind(link_type: LinkLayerType) -> Option<LinkKind> {
     }
 }
 
+/// An interface to attach to, and the copy of the programs its link type
+/// gets.
+struct Interface {
+    index: u32,
+    name: String,
+    kind: LinkKind,
+}
+
 /// The copy of the programs for L3 devices: loaded when the first one
 /// appears (most nodes have none, and the verifier's time is the agent's
 /// start-up).
@@ -186,16 +194,15 @@ impl Attacher {
         })
     }
 
-    /// The interface's name, the hooks it gets and the copy of the programs
-    /// for its link type, if any.
-    fn wanted(&mut self, link: &LinkMessage) -> Option<(String, &'static [Hook], LinkKind)> {
+    /// The interface and the hooks it gets, if any.
+    fn wanted(&mut self, link: &LinkMessage) -> Option<(Interface, &'static [Hook])> {
         let name = link.attributes.iter().find_map(|a| match a {
             LinkAttribute::IfName(n) => Some(n.clone()),
             _ => None,
         })?;
         let link_type = link.header.link_layer_type;
         if link_type == LinkLayerType::Loopback {
-            return Some((name, &HOOKS[1..], LinkKind::Ethernet));
+            return Some((Interface { index: link.header.index, name, kind: LinkKind::Ethernet }, &HOOKS[1..]));
         }
         if !self.devices.as_ref().is_none_or(|list| list.contains(&name)) {
             return None;
@@ -211,7 +218,7 @@ impl Attacher {
             }
             return None;
         };
-        Some((name, &HOOKS[..], kind))
+        Some((Interface { index: link.header.index, name, kind }, &HOOKS[..]))
     }
 
     /// The loaded programs for `kind`, loading the L3 copy the first time.
@@ -245,17 +252,20 @@ impl Attacher {
         self.links.join(format!("{hook}-{ifindex}"))
     }
 
-    /// Attaches the programs of `hooks` (their copy for `kind`) to an
-    /// interface.
-    fn attach(&mut self, ifindex: u32, name: &str, hooks: &[Hook], kind: LinkKind) -> Result<()> {
-        if self.attached.contains_key(&ifindex) {
+    /// Attaches the programs of `hooks` (their copy for the interface's
+    /// link kind) to an interface.
+    fn attach(&mut self, iface: &Interface, hooks: &[Hook]) -> Result<()> {
+        if self.attached.contains_key(&iface.index) {
             return Ok(());
         }
-        for &(program, attach_type, hook) in hooks {
-            let adopted = self.attach_one(kind, program, attach_type, hook, ifindex, name)?;
-            info!(interface = %name, ifindex, hook, adopted, mode = self.mode.name(), link = kind.name(), "attached");
+        for &hook in hooks {
+            let adopted = self.attach_one(iface, hook)?;
+            info!(
+                interface = %iface.name, ifindex = iface.index, hook = hook.2, adopted, mode = self.mode.name(),
+                link = iface.kind.name(), "attached"
+            );
         }
-        self.attached.insert(ifindex, name.to_string());
+        self.attached.insert(iface.index, iface.name.clone());
         Ok(())
     }
 
@@ -263,51 +273,38 @@ impl Attacher {
     /// (true: adopted). What a previous agent in the other mode left goes
     /// once ours runs (for a moment both run: the second sees translated
     /// packets, which match no frontend, and passes them).
-    fn attach_one(
-        &mut self,
-        kind: LinkKind,
-        program: &str,
-        attach_type: TcAttachType,
-        hook: &str,
-        ifindex: u32,
-        name: &str,
-    ) -> Result<bool> {
+    fn attach_one(&mut self, iface: &Interface, hook: Hook) -> Result<bool> {
+        let (_, attach_type, pin_prefix) = hook;
         match self.mode {
             AttachMode::Tcx => {
-                let adopted = self.attach_tcx(kind, program, attach_type, hook, ifindex, name)?;
-                if let Ok(link) = netlink_filter(ifindex, attach_type) {
+                let adopted = self.attach_tcx(iface, hook)?;
+                if let Ok(link) = netlink_filter(iface.index, attach_type) {
                     let _ = link.detach();
                 }
                 Ok(adopted)
             }
             AttachMode::Netlink => {
-                let adopted = self.attach_netlink(kind, program, attach_type, ifindex, name)?;
-                let _ = std::fs::remove_file(self.pin_path(hook, ifindex));
+                let adopted = self.attach_netlink(iface, hook)?;
+                let _ = std::fs::remove_file(self.pin_path(pin_prefix, iface.index));
                 Ok(adopted)
             }
         }
     }
 
-    fn attach_netlink(
-        &mut self,
-        kind: LinkKind,
-        program: &str,
-        attach_type: TcAttachType,
-        ifindex: u32,
-        name: &str,
-    ) -> Result<bool> {
+    fn attach_netlink(&mut self, iface: &Interface, (program, attach_type, _): Hook) -> Result<bool> {
+        let Interface { index: ifindex, name, kind } = iface;
         // Loaded first: a copy the kernel refuses leaves no qdisc behind.
-        self.program(kind, program)?;
+        self.program(*kind, program)?;
         // The clsact qdisc may hold others' filters too: one we add is
         // recorded, so `cleanup` removes it (only if nobody else uses it).
-        match tc::qdisc_add_clsact(ifindex) {
-            Ok(()) => crate::clsact::record_added(&self.root, ifindex)?,
+        match tc::qdisc_add_clsact(*ifindex) {
+            Ok(()) => crate::clsact::record_added(&self.root, *ifindex)?,
             Err(tc::TcError::NetlinkError(n)) if n.raw_os_error() == Some(libc::EEXIST) => {}
             Err(e) => return Err(anyhow::Error::new(e).context(format!("add the clsact qdisc to {name} (ifindex {ifindex})"))),
         }
-        let prog = self.program(kind, program)?;
+        let prog = self.program(*kind, program)?;
         // Our filter from a previous agent: the program is replaced in place.
-        let adopted = match netlink_filter(ifindex, attach_type).and_then(|l| Ok(prog.attach_to_link(l)?)) {
+        let adopted = match netlink_filter(*ifindex, attach_type).and_then(|l| Ok(prog.attach_to_link(l)?)) {
             Ok(id) => {
                 keep_attached(prog.take_link(id)?);
                 true
@@ -320,24 +317,18 @@ impl Attacher {
         if !adopted {
             let options = NlOptions { priority: NETLINK_PRIORITY, handle: TcHandle::from(NETLINK_HANDLE), classid: None };
             let id = prog
-                .attach(ifindex, TcAttach::Netlink { parent: attach_type.into(), options })
+                .attach(*ifindex, TcAttach::Netlink { parent: attach_type.into(), options })
                 .with_context(|| format!("attach {program} to {name} (ifindex {ifindex}) over netlink"))?;
             keep_attached(prog.take_link(id)?);
         }
         Ok(adopted)
     }
 
-    fn attach_tcx(
-        &mut self,
-        kind: LinkKind,
-        program: &str,
-        attach_type: TcAttachType,
-        hook: &str,
-        ifindex: u32,
-        name: &str,
-    ) -> Result<bool> {
+    fn attach_tcx(&mut self, iface: &Interface, (program, attach_type, hook): Hook) -> Result<bool> {
+        let Interface { index: ifindex, name, kind } = iface;
+        let ifindex = *ifindex;
         let pin = self.pin_path(hook, ifindex);
-        let prog = self.program(kind, program)?;
+        let prog = self.program(*kind, program)?;
         let adopted = match PinnedLink::from_pin(&pin) {
             Ok(old) => match FdLink::from(old).try_into().map_err(anyhow::Error::from).and_then(|l| Ok(prog.attach_to_link(l)?)) {
                 Ok(_) => true,
@@ -385,10 +376,10 @@ impl Attacher {
     }
 
     fn handle(&mut self, link: &LinkMessage) {
-        if let Some((name, hooks, kind)) = self.wanted(link) {
-            if let Err(e) = self.attach(link.header.index, &name, hooks, kind) {
+        if let Some((iface, hooks)) = self.wanted(link) {
+            if let Err(e) = self.attach(&iface, hooks) {
                 // One interface failing must not stop service on the others.
-                warn!(interface = %name, "cannot attach, skipped: {e:#}");
+                warn!(interface = %iface.name, "cannot attach, skipped: {e:#}");
             }
         }
     }

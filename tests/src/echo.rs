@@ -190,3 +190,13 @@ fn unspecified(to: SocketAddr) -> SocketAddr {
     let any: std::net::IpAddr = if to.is_ipv4() { [0u8; 4].into() } else { [0u16; 8].into() };
     SocketAddr::new(any, 0)
 }
+
+/// Ok if `result` is a refused connection (a REJECT: TCP reset or ICMP
+/// port unreachable), else what happened instead.
+pub fn expect_refused(result: std::io::Result<Reply>, what: &str) -> Result<()> {
+    match result {
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => Ok(()),
+        Err(e) => anyhow::bail!("{what}: {e} ({:?}), want connection refused", e.kind()),
+        Ok(r) => anyhow::bail!("{what}: answered by {}, want connection refused", r.backend),
+    }
+}

@@ -14,7 +14,7 @@
 //!   failure).
 
 use std::{
-    io::{ErrorKind, Read, Write},
+    io::{Read, Write},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream},
     time::Duration,
 };
@@ -23,7 +23,7 @@ use anyhow::{Context, Result};
 use proxy_tests::{
     agent::Agent,
     bpffs::Bpffs,
-    echo::udp_request_connected,
+    echo::{expect_refused, udp_request_connected},
     is_root,
     manifests::{echo_node_port_service, one_port_service},
     topology::Node,
@@ -52,14 +52,6 @@ const HOP_MTU: u32 = 1400;
 /// A single-stack ClusterIP Service (see `one_port_service`).
 fn service(name: &str, vip: IpAddr, port: u16, target: u16, proto: &str, backend: IpAddr) -> String {
     one_port_service(name, vip, port, target, proto, backend, None)
-}
-
-fn expect_refused(result: std::io::Result<proxy_tests::echo::Reply>, what: &str) -> Result<()> {
-    match result {
-        Err(e) if e.kind() == ErrorKind::ConnectionRefused => Ok(()),
-        Err(e) => anyhow::bail!("{what}: {e} ({:?}), want connection refused", e.kind()),
-        Ok(r) => anyhow::bail!("{what}: answered by {}, want connection refused", r.backend),
-    }
 }
 
 #[test]

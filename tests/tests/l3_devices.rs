@@ -17,7 +17,6 @@
 //!   `cleanup` removes them with the rest.
 
 use std::{
-    io::ErrorKind,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
     time::Duration,
@@ -28,7 +27,7 @@ use proxy_tests::{
     agent::{Agent, agent_bin, tc_attached, tc_attached_egress},
     bpffs::Bpffs,
     cgroup::Cgroup,
-    echo::{EchoServer, Reply, tcp_request, tcp_request_from, udp_request, udp_request_connected},
+    echo::{EchoServer, expect_refused, tcp_request, tcp_request_from, udp_request, udp_request_connected},
     is_root,
     manifests::{TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET, echo_node_port_service, one_port_service},
     netns::Netns,
@@ -175,14 +174,6 @@ impl World {
 
 fn unspecified(ip: IpAddr) -> IpAddr {
     if ip.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() }
-}
-
-fn expect_refused(result: std::io::Result<Reply>, what: &str) -> Result<()> {
-    match result {
-        Err(e) if e.kind() == ErrorKind::ConnectionRefused => Ok(()),
-        Err(e) => anyhow::bail!("{what}: {e} ({:?}), want connection refused", e.kind()),
-        Ok(r) => anyhow::bail!("{what}: answered by {}, want connection refused", r.backend),
-    }
 }
 
 #[test]
