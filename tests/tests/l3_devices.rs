@@ -28,7 +28,7 @@ use proxy_tests::{
     bpffs::Bpffs,
     cgroup::Cgroup,
     echo::{EchoServer, expect_refused, tcp_request, tcp_request_from, udp_request, udp_request_connected},
-    is_root,
+    is_root, patience,
     manifests::{TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET, echo_node_port_service, one_port_service},
     netns::Netns,
     topology::{Node, Pod},
@@ -238,10 +238,10 @@ fn rejects_go_back_out_of_an_l3_device() -> Result<()> {
     let world = World::new("l3rej")?;
     for vip in [IpAddr::from(EMPTY_VIP), IpAddr::from(EMPTY_VIP6)] {
         let tcp = SocketAddr::new(vip, 80);
-        expect_refused(tcp_request_from(&world.l3_pod, None, tcp, REFUSED_WITHIN), &format!("TCP to {tcp}"))
+        expect_refused(tcp_request_from(&world.l3_pod, None, tcp, patience(REFUSED_WITHIN)), &format!("TCP to {tcp}"))
             .with_context(|| world.agent().logs())?;
         let udp = SocketAddr::new(vip, 53);
-        expect_refused(udp_request_connected(&world.l3_pod, udp, REFUSED_WITHIN), &format!("UDP to {udp}"))
+        expect_refused(udp_request_connected(&world.l3_pod, udp, patience(REFUSED_WITHIN)), &format!("UDP to {udp}"))
             .with_context(|| world.agent().logs())?;
     }
     let metrics = world.agent().scrape(&world.node.ns)?;
