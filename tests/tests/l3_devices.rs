@@ -35,7 +35,11 @@ use proxy_tests::{
     tun_link::{self, TunLink},
 };
 
-const TIMEOUT: Duration = Duration::from_secs(10);
+/// Until /healthz answers: the agent puts two copies of its programs
+/// through the verifier here (the L3 copy when it meets the first L3
+/// device), twice the others' start, which an emulated VM running two such
+/// worlds at once stretches past their 10 s (times its patience).
+const STARTUP: Duration = Duration::from_secs(30);
 const REFUSED_WITHIN: Duration = Duration::from_secs(3);
 /// The node's address on the L3 uplink, and the external client's.
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 82, 1);
@@ -147,7 +151,7 @@ impl World {
         let bpffs = Bpffs::new(label)?;
         let root = bpffs.path().join("agent");
         let mut agent = Agent::start(&node.ns, manifests.path(), &root, &[])?;
-        agent.wait_healthy(&node.ns, TIMEOUT)?;
+        agent.wait_healthy(&node.ns, STARTUP)?;
         Ok(World {
             node,
             ext,
@@ -274,7 +278,7 @@ fn a_restart_adopts_the_l3_programs_and_cleanup_removes_them() -> Result<()> {
     // SIGKILL: the programs stay attached; the new agent swaps its own in.
     world.agent.take().expect("an agent runs").kill()?;
     let mut agent = Agent::start(&world.node.ns, world.manifests.path(), &world.root, &[])?;
-    agent.wait_healthy(&world.node.ns, TIMEOUT)?;
+    agent.wait_healthy(&world.node.ns, STARTUP)?;
     world.agent = Some(agent);
     let logs = world.agent().logs();
     let adopted = |ifname: &str| logs.lines().any(|l| l.contains(ifname) && l.contains("adopted=true") && l.contains("link=\"l3\""));
