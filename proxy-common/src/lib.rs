@@ -5,9 +5,11 @@
 
 pub mod addr;
 pub mod crc32c;
+pub mod counter;
 pub mod csum;
 pub mod maps;
 pub mod reject_limit;
 
 pub use addr::Addr;
+pub use counter::{Counter, Verdict};
 pub use maps::*;

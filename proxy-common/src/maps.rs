@@ -401,105 +401,6 @@ pub struct TraceReport {
 pub const TRACE_FROM_CONNTRACK: u32 = 0x100;
 pub const MAP_TRACE_REPORT: &str = "TRACE_REPORT";
 
-/// Indexes into the per-CPU `COUNTERS` array.
-#[repr(u32)]
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Counter {
-    /// Not for a service, passed untouched.
-    Passed = 0,
-    /// First packet of a flow to a service: backend chosen, translated.
-    NewFlow = 1,
-    /// Packet of a known flow, translated.
-    Established = 2,
-    /// Reply from a backend, reverse-translated.
-    Reply = 3,
-    /// Service with no usable backend.
-    NoBackend = 4,
-    /// Conntrack insert failed (map full beyond LRU eviction).
-    CtFull = 5,
-    /// Truncated or malformed headers: passed untouched.
-    Malformed = 6,
-    /// An IP fragment that does not follow its datagram: a TCP or SCTP one
-    /// (both size their packets to the path MTU), or a later one whose first
-    /// was not seen (it came late, or went another way) or made no flow.
-    /// Passed untouched.
-    Fragment = 7,
-    /// A known flow whose backend vanished, re-balanced.
-    Rebalanced = 8,
-    /// A checksum/store helper failed: dropped rather than sent corrupt.
-    RewriteFailed = 9,
-    /// Rejected (ICMP port unreachable): no endpoint, or a ClusterIP port not served.
-    Rejected = 10,
-    /// Dropped: an unallocated address in the service CIDR.
-    DropUnallocated = 11,
-    /// Dropped: source outside loadBalancerSourceRanges.
-    DropSourceRange = 12,
-    /// Dropped: Local traffic policy with no local endpoint.
-    DropNoLocal = 13,
-    /// New flow masqueraded (SNAT to a node address at egress).
-    Masqueraded = 14,
-    /// Egress could not rewrite a marked packet's source (no SNAT address or
-    /// port free, or the flow's conntrack entry vanished): sent as it was.
-    SnatFailed = 15,
-    /// New flow sent to the backend its client sticks to (sessionAffinity).
-    AffinityHit = 16,
-    /// A reject could not be built: the packet was dropped instead.
-    RejectFailed = 17,
-    /// IPv6 packet with extension headers before its L4 header: passed untouched.
-    ExtensionHeader = 18,
-    /// Masquerade found no free port: it kept the client's port, for TCP a
-    /// tuple still reserved for another client's closed flow (the backend
-    /// may hold it in TIME_WAIT: that connect may stall a second), for UDP
-    /// and SCTP one inside the node's ephemeral range (a node socket may
-    /// take it too).
-    SnatPortShared = 19,
-    /// A node socket's new TCP connection met the tuple of a masqueraded
-    /// flow (or of one closed less than CT_SNAT_TIME_WAIT_NS ago) towards
-    /// the same backend: it leaves with a port of its own, as Linux NAT
-    /// remaps a local connection whose tuple is taken.
-    NodeSnat = 20,
-    /// A TCP RST that would have been REJECTed: dropped unanswered. A reset
-    /// is never answered with a reset (netfilter's REJECT neither), or two
-    /// nodes' unserved ports could bounce a spoofed one between them. Also
-    /// a UDP datagram's first fragment that would have been: netfilter
-    /// rejects the reassembled datagram, and a reject built from the
-    /// fragment would quote only part of it.
-    RejectSuppressed = 21,
-    /// A node packet to a frontend that no socket hook translated (a raw
-    /// socket, a process outside `--cgroup-root`, SCTP): a new flow
-    /// translated at TC egress, as kube-proxy's OUTPUT chain does.
-    NodeEgress = 22,
-    /// A node packet translated at egress found no route to its backend
-    /// (a backend on the node itself, or no forwarding): dropped.
-    NodeRouteFailed = 23,
-    /// A REJECT over its source's budget (`reject_limit`): dropped
-    /// unanswered, as the kernel's ICMP rate limit drops its errors.
-    RejectLimited = 24,
-    /// A TCP segment other than a SYN (an SCTP packet other than an INIT)
-    /// to a frontend, with no conntrack entry: dropped, as netfilter drops
-    /// INVALID packets, instead of giving a stray segment a backend. Its
-    /// flow never existed, or its entry was evicted.
-    CtOutOfState = 25,
-    /// Not a packet verdict: conntrack entries a flow's first reply moved
-    /// from CT_PENDING to CONNTRACK.
-    CtPromoted = 26,
-    /// Not a packet verdict: entries the datapath removed from CONNTRACK
-    /// (a closed flow's, when a new flow takes its tuple). With
-    /// `CtPromoted` and CONNTRACK's entry count the agent derives the
-    /// evictions: promoted - released - entries.
-    CtReleased = 27,
-    /// An ICMP or ICMPv6 error about a translated flow, rewritten so that
-    /// it names the flow as its client knows it (at ingress for a
-    /// masqueraded flow, and again at egress).
-    IcmpErrorTranslated = 28,
-    /// Not a packet verdict: first fragments of an IP datagram whose ports
-    /// were remembered, so that its later fragments follow it (`fragment`).
-    FragmentFirst = 29,
-    /// Not a packet verdict: later fragments that found their first's ports
-    /// and went where it went (counted by their verdict too).
-    FragmentFollowed = 30,
-}
-
 /// Slots of the IPv6 program array: which IPv6 program each IPv4 program
 /// hands IPv6 frames to (the loader fills it with `<name>6`).
 pub const IPV6_PROG_INGRESS: u32 = 0;
@@ -583,20 +484,10 @@ pub struct FragmentPorts {
 /// those in flight are lost).
 pub const MAX_FRAGMENTS: u32 = 8192;
 
-pub const COUNTER_NAMES: [&str; 31] = [
-    "passed", "new_flow", "established", "reply", "no_backend", "ct_full", "malformed",
-    "fragment", "rebalanced", "rewrite_failed", "rejected", "drop_unallocated",
-    "drop_source_range", "drop_no_local", "masqueraded", "snat_failed", "affinity_hit",
-    "reject_failed", "extension_header", "snat_port_shared", "node_snat",
-    "reject_suppressed", "node_egress", "node_route_failed", "reject_limited",
-    "ct_out_of_state", "ct_promoted", "ct_released", "icmp_error_translated",
-    "fragment_first", "fragment_followed",
-];
 /// Slots of the pinned `COUNTERS` array: room to add counters without
 /// changing the map's layout (which an upgrade could not reuse). At most 32:
 /// a trace reports the counters it noted as bits of a u32.
 pub const MAX_COUNTERS: u32 = 32;
-const _: () = assert!(COUNTER_NAMES.len() as u32 <= MAX_COUNTERS);
 
 #[cfg(feature = "user")]
 mod pod {

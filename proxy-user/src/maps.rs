@@ -405,9 +405,9 @@ impl Maps {
         self.conntrack.get(key, 0).or_else(|_| self.ct_unconfirmed.get(key, 0))
     }
 
-    /// Per-CPU counters summed, indexed like `COUNTER_NAMES`.
+    /// Per-CPU counters summed, indexed like `Counter::ALL`.
     pub fn read_counters(&self) -> Result<Vec<u64>> {
-        (0..COUNTER_NAMES.len() as u32).map(|i| Ok(self.counters.get(&i, 0)?.iter().sum())).collect()
+        (0..proxy_common::Counter::ALL.len() as u32).map(|i| Ok(self.counters.get(&i, 0)?.iter().sum())).collect()
     }
 }
 

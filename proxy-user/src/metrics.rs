@@ -25,7 +25,7 @@ use prometheus_client::{
     },
     registry::Registry,
 };
-use proxy_common::{COUNTER_NAMES, Counter as DpCounter};
+use proxy_common::Counter as DpCounter;
 
 use crate::{
     http_server::{self, ConnectionLimit},
@@ -319,43 +319,10 @@ pub fn map_fill(root: &Path) -> Result<Vec<(&'static str, Option<u64>, u64)>> {
         .collect()
 }
 
-/// Per-CPU counters summed, indexed like `COUNTER_NAMES`.
+/// Per-CPU counters summed, indexed like `Counter::ALL`.
 fn read_counters(root: &Path) -> Result<Vec<u64>> {
     let map: aya::maps::PerCpuArray<aya::maps::MapData, u64> = open_pinned(root, proxy_common::MAP_COUNTERS)?.try_into()?;
-    (0..COUNTER_NAMES.len() as u32).map(|i| Ok(map.get(&i, 0)?.iter().sum())).collect()
-}
-
-/// A datapath counter as (verdict, reason). Every counter names its reason;
-/// the verdict says what happened to the packet.
-fn verdict_of(index: usize) -> (&'static str, &'static str) {
-    use DpCounter::*;
-    let verdict = match index {
-        i if [Passed, Malformed, Fragment, ExtensionHeader].iter().any(|c| *c as usize == i) => "passed",
-        i if i == Rejected as usize => "rejected",
-        i if [
-            NoBackend,
-            CtFull,
-            RewriteFailed,
-            DropUnallocated,
-            DropSourceRange,
-            DropNoLocal,
-            RejectFailed,
-            RejectSuppressed,
-            RejectLimited,
-            NodeRouteFailed,
-            CtOutOfState,
-        ]
-        .iter()
-            .any(|c| *c as usize == i) =>
-        {
-            "dropped"
-        }
-        // NewFlow, Established, Reply, Rebalanced, Masqueraded, SnatFailed, AffinityHit,
-        // SnatPortShared, NodeSnat, NodeEgress: the packet was translated (SnatFailed: without
-        // masquerade).
-        _ => "translated",
-    };
-    (verdict, COUNTER_NAMES[index])
+    (0..DpCounter::ALL.len() as u32).map(|i| Ok(map.get(&i, 0)?.iter().sum())).collect()
 }
 
 impl Collector for Dataplane {
@@ -407,23 +374,15 @@ impl Collector for Dataplane {
             None,
             MetricType::Counter,
         )?;
-        for (i, value) in counters.iter().enumerate().filter(|(i, _)| !NOT_VERDICTS.contains(i)) {
-            let (verdict, reason) = verdict_of(i);
-            let labels = [("verdict", verdict), ("reason", reason)];
+        // Conntrack's and the fragments' own counters are not verdicts: shown above.
+        for (counter, value) in DpCounter::ALL.iter().zip(&counters) {
+            let Some(verdict) = counter.verdict() else { continue };
+            let labels = [("verdict", verdict.name()), ("reason", counter.name())];
             ConstCounter::new(*value).encode(enc.encode_family(&labels)?)?;
         }
         Ok(())
     }
 }
-
-/// Counters that are not packet verdicts: conntrack's own, shown by
-/// `encode_conntrack`, and the fragments', by `encode_fragments`.
-const NOT_VERDICTS: [usize; 4] = [
-    DpCounter::CtPromoted as usize,
-    DpCounter::CtReleased as usize,
-    DpCounter::FragmentFirst as usize,
-    DpCounter::FragmentFollowed as usize,
-];
 
 /// IP fragments the datapath followed: first fragments whose ports it
 /// remembered, later ones that took them. (Those it could not follow are
@@ -598,14 +557,17 @@ spec: {cidrs: [10.96.0.0/16, 10.96.0.0]}
 
     #[test]
     fn verdicts_cover_every_counter() {
-        assert_eq!(verdict_of(DpCounter::NoBackend as usize), ("dropped", "no_backend"));
-        assert_eq!(verdict_of(DpCounter::DropNoLocal as usize), ("dropped", "drop_no_local"));
-        assert_eq!(verdict_of(DpCounter::Rejected as usize), ("rejected", "rejected"));
-        assert_eq!(verdict_of(DpCounter::RejectLimited as usize), ("dropped", "reject_limited"));
-        assert_eq!(verdict_of(DpCounter::NodeRouteFailed as usize), ("dropped", "node_route_failed"));
-        assert_eq!(verdict_of(DpCounter::NewFlow as usize), ("translated", "new_flow"));
-        assert_eq!(verdict_of(DpCounter::Fragment as usize), ("passed", "fragment"));
-        let verdicts: std::collections::BTreeSet<_> = (0..COUNTER_NAMES.len()).map(|i| verdict_of(i).0).collect();
+        use proxy_common::Verdict;
+        let verdict = |c: DpCounter| c.verdict().map(Verdict::name);
+        assert_eq!((verdict(DpCounter::NoBackend), DpCounter::NoBackend.name()), (Some("dropped"), "no_backend"));
+        assert_eq!(verdict(DpCounter::DropNoLocal), Some("dropped"));
+        assert_eq!(verdict(DpCounter::Rejected), Some("rejected"));
+        assert_eq!(verdict(DpCounter::RejectLimited), Some("dropped"));
+        assert_eq!(verdict(DpCounter::NodeRouteFailed), Some("dropped"));
+        assert_eq!(verdict(DpCounter::NewFlow), Some("translated"));
+        assert_eq!(verdict(DpCounter::Fragment), Some("passed"));
+        assert_eq!(verdict(DpCounter::CtPromoted), None);
+        let verdicts: std::collections::BTreeSet<_> = DpCounter::ALL.iter().filter_map(|c| verdict(*c)).collect();
         assert_eq!(verdicts.len(), 4, "{verdicts:?}");
     }
 }

@@ -143,7 +143,7 @@ pub fn trace(from: Source, to: Destination, root: &Path) -> Result<Trace> {
     let report: Array<_, TraceReport> = ebpf.take_map(MAP_TRACE_REPORT).context("trace report map")?.try_into()?;
     let report = report.get(&0, 0)?;
     let noted = report.counters;
-    let counters: Vec<&'static str> = (0..COUNTER_NAMES.len()).filter(|i| noted & (1 << i) != 0).map(|i| COUNTER_NAMES[i]).collect();
+    let counters: Vec<&'static str> = Counter::ALL.iter().filter(|c| noted & (1 << **c as u32) != 0).map(|c| c.name()).collect();
     let has = |c: Counter| noted & (1 << c as u32) != 0;
     let (service_id, backend_id, how) = (report.service_id, report.backend_id, report.how);
     let existing_flow = how == TRACE_FROM_CONNTRACK;

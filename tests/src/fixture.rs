@@ -11,7 +11,7 @@ use aya::{
     Ebpf,
     programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
 };
-use proxy_common::{COUNTER_NAMES, Counter};
+use proxy_common::Counter;
 use proxy_user::maps::{self, Maps, TC_EGRESS, TC_INGRESS};
 
 use crate::{bpffs::Bpffs, is_root};
@@ -276,8 +276,9 @@ fn render(title: &str, rows: &[Row]) -> String {
 /// Every counter moved exactly as listed.
 pub fn check_counters(before: &[u64], after: &[u64], want: &[Counter]) -> Result<(), String> {
     let mut bad = Vec::new();
-    for (i, name) in COUNTER_NAMES.iter().enumerate() {
-        let expected = want.iter().filter(|c| **c as usize == i).count() as u64;
+    for (i, counter) in Counter::ALL.iter().enumerate() {
+        let name = counter.name();
+        let expected = want.iter().filter(|c| *c == counter).count() as u64;
         let moved = after[i] - before[i];
         if moved != expected {
             bad.push(format!("{name} +{moved} (want +{expected})"));

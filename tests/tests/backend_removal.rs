@@ -47,9 +47,9 @@ fn install(m: &mut Maps) -> Result<()> {
 
 /// Counter names in index order, as `send` lists them.
 fn names(counters: &[Counter]) -> Vec<&'static str> {
-    let mut at: Vec<usize> = counters.iter().map(|c| *c as usize).collect();
-    at.sort();
-    at.into_iter().map(|i| COUNTER_NAMES[i]).collect()
+    let mut at = counters.to_vec();
+    at.sort_by_key(|c| *c as u32);
+    at.into_iter().map(Counter::name).collect()
 }
 
 fn datagram() -> Vec<u8> {
@@ -72,7 +72,7 @@ fn send(fx: &Fixture) -> Result<([u8; 4], Vec<&'static str>)> {
     let Some(TransportSlice::Udp(udp)) = &p.transport else { anyhow::bail!("no UDP out") };
     ensure!(udp.destination_port() == TARGET, "port {} out, want {TARGET}", udp.destination_port());
     let after = fx.counters();
-    let moved = (0..after.len()).filter(|&i| after[i] != before[i]).map(|i| COUNTER_NAMES[i]).collect();
+    let moved = (0..after.len()).filter(|&i| after[i] != before[i]).map(|i| Counter::ALL[i].name()).collect();
     Ok((ip.header().destination(), moved))
 }
 

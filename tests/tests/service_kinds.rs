@@ -147,7 +147,7 @@ fn node_port_external_ip_load_balancer_and_verdicts() -> Result<()> {
     // On failure: the agent's log and the datapath counters.
     let logs = || {
         let counters = proxy_user::maps::Maps::open_pinned(&root).and_then(|m| m.read_counters()).map(|c| {
-            proxy_common::COUNTER_NAMES.iter().zip(c).filter(|(_, n)| *n > 0).map(|(k, n)| format!("{k}={n}")).collect::<Vec<_>>().join(" ")
+            proxy_common::Counter::ALL.iter().zip(c).filter(|(_, n)| *n > 0).map(|(k, n)| format!("{}={n}", k.name())).collect::<Vec<_>>().join(" ")
         });
         format!("counters: {counters:?}\n{}", agent.logs())
     };
@@ -271,5 +271,5 @@ fn strings(v: &serde_json::Value) -> BTreeSet<String> {
 /// links (ARP, IPv6 neighbour discovery) move it at any time.
 fn counters(root: &std::path::Path) -> Result<Vec<(&'static str, u64)>> {
     let all = proxy_user::maps::Maps::open_pinned(root)?.read_counters()?;
-    Ok(proxy_common::COUNTER_NAMES.iter().copied().zip(all).filter(|(name, _)| *name != "passed").collect())
+    Ok(proxy_common::Counter::ALL.iter().map(|c| c.name()).zip(all).filter(|(name, _)| *name != "passed").collect())
 }
