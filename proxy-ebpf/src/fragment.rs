@@ -17,10 +17,10 @@
 //! fragments pay nothing, and the verifier little. The key is built in a
 //! per-CPU slot, off the stack, which the programs are short of.
 
-use aya_ebpf::{EbpfContext, helpers::bpf_skb_load_bytes, programs::TcContext};
 use proxy_common::{Addr, Counter, FragmentKey, FragmentPorts};
 
 use crate::{
+    context::PacketContext,
     maps::{FRAGMENT_KEY, FRAGMENTS, count},
     parse::Packet,
 };
@@ -45,20 +45,14 @@ pub fn key(src: &Addr, dst: &Addr, id: u32, proto: u8) -> Option<&'static Fragme
 /// An IPv6 datagram's key: its addresses read from the header at `l3_off`
 /// straight into the slot.
 #[inline(always)]
-pub fn key_v6(ctx: &TcContext, l3_off: usize, id: u32, proto: u8) -> Option<&'static FragmentKey> {
+pub fn key_v6(ctx: &impl PacketContext, l3_off: usize, id: u32, proto: u8) -> Option<&'static FragmentKey> {
     let key = unsafe { &mut *FRAGMENT_KEY.get_ptr_mut(0)? };
-    load16(ctx, l3_off + crate::parse6::SRC_OFF, &mut key.src)?;
-    load16(ctx, l3_off + crate::parse6::DST_OFF, &mut key.dst)?;
+    ctx.load_bytes(l3_off + crate::parse6::SRC_OFF, &mut key.src.0).ok()?;
+    ctx.load_bytes(l3_off + crate::parse6::DST_OFF, &mut key.dst.0).ok()?;
     key.id = id;
     key.proto = proto;
     key._pad = [0; 3];
     Some(key)
-}
-
-#[inline(always)]
-fn load16(ctx: &TcContext, off: usize, addr: &mut Addr) -> Option<()> {
-    let dst = addr.0.as_mut_ptr() as *mut core::ffi::c_void;
-    (unsafe { bpf_skb_load_bytes(ctx.as_ptr(), off as u32, dst, 16) } == 0).then_some(())
 }
 
 /// A UDP datagram's first fragment (`Packet::fragment` FIRST, as `parse`
@@ -66,7 +60,7 @@ fn load16(ctx: &TcContext, off: usize, addr: &mut Addr) -> Option<()> {
 /// Called by the programs that follow fragments (ingress, egress, IPv6
 /// masquerade), not by `parse`, which every program inlines.
 #[inline(always)]
-pub fn remember_first<const V6: bool>(ctx: &TcContext, pkt: &Packet) {
+pub fn remember_first<const V6: bool>(ctx: &impl PacketContext, pkt: &Packet) {
     // IPv4: the header's ID; IPv6: the Fragment header's, after the fixed one.
     let id = if V6 {
         ctx.load::<u32>(pkt.l3_off + crate::parse6::IPV6_HLEN + 4).map(u32::from_be)

@@ -22,13 +22,14 @@
 //! incremental updates: the sum over the packet stays what it was, so a
 //! receive checksum a driver computed stays valid.
 
-use aya_ebpf::{bindings::BPF_F_PSEUDO_HDR, programs::TcContext};
+use aya_ebpf::bindings::BPF_F_PSEUDO_HDR;
 use proxy_common::{
     Addr, CT_MASQUERADE, CT_NODE, CT_REPLY, CtKey, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_SCTP, IPPROTO_TCP,
     IPPROTO_UDP, csum,
 };
 
 use crate::{
+    context::PacketContext,
     conntrack,
     l2,
     parse::ETH_P_IP,
@@ -44,7 +45,7 @@ const IPV4_CSUM_OFF: usize = 10;
 /// family; None for anything else (ARP, say, whose bytes at the protocol's
 /// place mean something else).
 #[inline(always)]
-pub fn ip_protocol<const V6: bool>(ctx: &TcContext) -> Option<u8> {
+pub fn ip_protocol<const V6: bool>(ctx: &impl PacketContext) -> Option<u8> {
     let ethertype = l2::ethertype(ctx)?;
     if V6 {
         if ethertype != ETH_P_IPV6 {
@@ -62,7 +63,7 @@ pub fn ip_protocol<const V6: bool>(ctx: &TcContext) -> Option<u8> {
 /// Whether the frame carries ICMP (ICMPv6 for `V6`): the cheap test egress
 /// makes before handing a packet to these programs.
 #[inline(always)]
-pub fn is_icmp<const V6: bool>(ctx: &TcContext) -> bool {
+pub fn is_icmp<const V6: bool>(ctx: &impl PacketContext) -> bool {
     ip_protocol::<V6>(ctx) == Some(if V6 { IPPROTO_ICMPV6 } else { IPPROTO_ICMP })
 }
 
@@ -70,7 +71,7 @@ pub fn is_icmp<const V6: bool>(ctx: &TcContext) -> bool {
 /// echo request, or another protocol than TCP, UDP and SCTP). Only for a
 /// frame `ip_protocol` accepted.
 #[inline(always)]
-pub fn destination<const V6: bool>(ctx: &TcContext) -> Option<Addr> {
+pub fn destination<const V6: bool>(ctx: &impl PacketContext) -> Option<Addr> {
     let l3 = l2::l3_off();
     if V6 {
         Some(Addr(ctx.load(l3 + 24).ok()?))
@@ -102,7 +103,7 @@ struct Error {
 }
 
 #[inline(always)]
-fn parse<const V6: bool>(ctx: &TcContext) -> Option<Error> {
+fn parse<const V6: bool>(ctx: &impl PacketContext) -> Option<Error> {
     let ethertype = l2::ethertype(ctx)?;
     let l3 = l2::l3_off();
     let (icmp, outer_src, outer_dst) = if V6 {
@@ -169,7 +170,7 @@ fn reply_to(quoted: &CtKey) -> CtKey {
 /// rewritten, `Some(Err)` when a rewrite failed, `None` when it is none of
 /// ours. `INGRESS`: undo masquerade; else undo DNAT (see the module doc).
 #[inline(always)]
-pub fn translate<const V6: bool, const INGRESS: bool>(ctx: &TcContext) -> Option<Result<(), i64>> {
+pub fn translate<const V6: bool, const INGRESS: bool>(ctx: &impl PacketContext) -> Option<Result<(), i64>> {
     let e = parse::<V6>(ctx)?;
     let key = reply_to(&e.quoted);
     let ct = conntrack::lookup(&key)?;
@@ -211,7 +212,7 @@ fn word<const V6: bool>(addr: &Addr, i: usize) -> [u8; 4] {
 /// Folds a change of 2 (`size`) or 4 bytes inside the ICMP message into its
 /// checksum (values as loaded from the packet).
 #[inline(always)]
-fn fold(ctx: &TcContext, e: &Error, old: u32, new: u32, size: u64) -> Result<(), i64> {
+fn fold(ctx: &impl PacketContext, e: &Error, old: u32, new: u32, size: u64) -> Result<(), i64> {
     if old == new {
         return Ok(());
     }
@@ -221,7 +222,7 @@ fn fold(ctx: &TcContext, e: &Error, old: u32, new: u32, size: u64) -> Result<(),
 /// Rewrites the quote's source (`source`) or destination address and port,
 /// with its checksums and the ICMP checksum.
 #[inline(always)]
-fn rewrite_quoted<const V6: bool>(ctx: &TcContext, e: &Error, source: bool, addr: &Addr, port: u16) -> Result<(), i64> {
+fn rewrite_quoted<const V6: bool>(ctx: &impl PacketContext, e: &Error, source: bool, addr: &Addr, port: u16) -> Result<(), i64> {
     let (old_addr, old_port) = if source { (e.quoted.src, e.quoted.sport) } else { (e.quoted.dst, e.quoted.dport) };
     let words = if V6 { 4 } else { 1 };
     // The quote's TCP/UDP checksum covers its addresses (pseudo-header) and
@@ -272,7 +273,7 @@ fn rewrite_quoted<const V6: bool>(ctx: &TcContext, e: &Error, source: bool, addr
 /// Rewrites the error's own source (`source`) or destination address: with
 /// the IPv4 header checksum, or ICMPv6's, which covers it.
 #[inline(always)]
-fn rewrite_outer<const V6: bool>(ctx: &TcContext, e: &Error, source: bool, addr: &Addr) -> Result<(), i64> {
+fn rewrite_outer<const V6: bool>(ctx: &impl PacketContext, e: &Error, source: bool, addr: &Addr) -> Result<(), i64> {
     let l3 = l2::l3_off();
     let old = if source { e.outer_src } else { e.outer_dst };
     if V6 {

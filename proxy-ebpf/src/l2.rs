@@ -8,7 +8,9 @@
 //! verifier knows every offset as it knew ETH_HLEN's, and drops the
 //! branches of the other kind.
 
-use aya_ebpf::{EbpfContext, Global, bindings::__sk_buff, programs::TcContext};
+use aya_ebpf::{Global, programs::TcContext};
+
+use crate::context::PacketContext;
 
 pub const ETH_HLEN: usize = 14;
 pub const ETH_ALEN: usize = 6;
@@ -34,12 +36,11 @@ pub fn has_ethernet() -> bool {
 /// The network protocol (host order): the Ethernet header's type, or on an
 /// L3 device `skb->protocol`, which the device set from the packet.
 #[inline(always)]
-pub fn ethertype(ctx: &TcContext) -> Option<u16> {
+pub fn ethertype(ctx: &impl PacketContext) -> Option<u16> {
     if has_ethernet() {
         crate::parse::read::<u16>(ctx, ETH_TYPE_OFF).map(u16::from_be)
     } else {
-        let protocol = unsafe { (*(ctx.as_ptr() as *const __sk_buff)).protocol };
-        Some(u16::from_be(protocol as u16))
+        Some(u16::from_be(ctx.protocol() as u16))
     }
 }
 
@@ -62,7 +63,7 @@ pub fn push_ethernet(ctx: &TcContext) -> Result<(), i64> {
 /// IP packet over the packet's start: whole on Ethernet, from the IP header
 /// on an L3 device. The packet is already that long.
 #[inline(always)]
-pub fn store_frame<const L3: usize>(ctx: &TcContext, frame: &[u8]) -> Result<(), i64> {
+pub fn store_frame<const L3: usize>(ctx: &impl PacketContext, frame: &[u8]) -> Result<(), i64> {
     let ip: &[u8; L3] = frame.get(ETH_HLEN..ETH_HLEN + L3).ok_or(-1i64)?.try_into().map_err(|_| -1i64)?;
     if has_ethernet() {
         let eth: &[u8; ETH_HLEN] = frame.get(..ETH_HLEN).ok_or(-1i64)?.try_into().map_err(|_| -1i64)?;

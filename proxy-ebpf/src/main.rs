@@ -7,6 +7,8 @@
 #[cfg(target_arch = "bpf")]
 mod conntrack;
 #[cfg(target_arch = "bpf")]
+mod context;
+#[cfg(target_arch = "bpf")]
 mod fragment;
 #[cfg(target_arch = "bpf")]
 mod icmp;

@@ -6,13 +6,10 @@
 //! are written straight into the packet (direct packet access): two helper
 //! calls for a full rewrite instead of five.
 
-use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
-    programs::TcContext,
-};
+use aya_ebpf::bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR};
 use proxy_common::{Addr, IPPROTO_SCTP, IPPROTO_UDP, csum};
 
-use crate::{parse::Packet, sctp};
+use crate::{context::PacketContext, parse::Packet, sctp};
 
 const IP_CSUM_OFF: usize = 10;
 pub const IP_SRC_OFF: usize = 12;
@@ -20,7 +17,7 @@ pub const IP_DST_OFF: usize = 16;
 
 /// Client -> frontend becomes client -> backend.
 #[inline(always)]
-pub fn rewrite_dst(ctx: &TcContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
+pub fn rewrite_dst(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
     if pkt.v6 {
         return crate::nat6::rewrite_dst::<true>(ctx, pkt, addr, port);
     }
@@ -29,7 +26,7 @@ pub fn rewrite_dst(ctx: &TcContext, pkt: &Packet, addr: &Addr, port: u16) -> Res
 
 /// Backend -> client becomes frontend -> client.
 #[inline(always)]
-pub fn rewrite_src(ctx: &TcContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
+pub fn rewrite_src(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
     if pkt.v6 {
         return crate::nat6::rewrite_src::<true>(ctx, pkt, addr, port);
     }
@@ -39,7 +36,7 @@ pub fn rewrite_src(ctx: &TcContext, pkt: &Packet, addr: &Addr, port: u16) -> Res
 /// `rewrite_dst` for a later IP fragment, which has no L4 header: the
 /// address only (its first fragment carried the ports and the checksum).
 #[inline(always)]
-pub fn rewrite_dst_address(ctx: &TcContext, pkt: &Packet, addr: &Addr) -> Result<(), i64> {
+pub fn rewrite_dst_address(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr) -> Result<(), i64> {
     let port = pkt.tuple.dport;
     if pkt.v6 {
         return crate::nat6::rewrite_dst::<false>(ctx, pkt, addr, port);
@@ -49,7 +46,7 @@ pub fn rewrite_dst_address(ctx: &TcContext, pkt: &Packet, addr: &Addr) -> Result
 
 /// `rewrite_src` for a later IP fragment (see `rewrite_dst_address`).
 #[inline(always)]
-pub fn rewrite_src_address(ctx: &TcContext, pkt: &Packet, addr: &Addr) -> Result<(), i64> {
+pub fn rewrite_src_address(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr) -> Result<(), i64> {
     let port = pkt.tuple.sport;
     if pkt.v6 {
         return crate::nat6::rewrite_src::<false>(ctx, pkt, addr, port);
@@ -62,7 +59,7 @@ pub fn rewrite_src_address(ctx: &TcContext, pkt: &Packet, addr: &Addr) -> Result
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn rewrite<const L4: bool>(
-    ctx: &TcContext,
+    ctx: &impl PacketContext,
     pkt: &Packet,
     ip_field: usize,
     old_addr: &Addr,
@@ -103,12 +100,12 @@ fn rewrite<const L4: bool>(
 /// The `T` at `off`, or an error if the linear part does not hold it
 /// (`parse` pulled the headers in, so it does).
 #[inline(always)]
-fn read<T: Copy>(ctx: &TcContext, off: usize) -> Result<T, i64> {
+fn read<T: Copy>(ctx: &impl PacketContext, off: usize) -> Result<T, i64> {
     crate::parse::read(ctx, off).ok_or(-1)
 }
 
 #[inline(always)]
-fn write<T: Copy>(ctx: &TcContext, off: usize, value: T) -> Result<(), i64> {
+fn write<T: Copy>(ctx: &impl PacketContext, off: usize, value: T) -> Result<(), i64> {
     let start = ctx.data();
     if start + off + core::mem::size_of::<T>() > ctx.data_end() {
         return Err(-1);

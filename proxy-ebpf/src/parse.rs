@@ -8,10 +8,10 @@
 //! parse's cost. Headers the skb holds outside its linear part are pulled
 //! in first.
 
-use aya_ebpf::programs::TcContext;
 use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
+    context::PacketContext,
     fragment,
     l2::{self, ETH_HLEN},
 };
@@ -90,7 +90,7 @@ impl Packet {
 
 /// The `T` at `off` in the packet, if the linear part holds it.
 #[inline(always)]
-pub fn read<T: Copy>(ctx: &TcContext, off: usize) -> Option<T> {
+pub fn read<T: Copy>(ctx: &impl PacketContext, off: usize) -> Option<T> {
     let start = ctx.data();
     if start + off + core::mem::size_of::<T>() > ctx.data_end() {
         return None;
@@ -102,19 +102,19 @@ pub fn read<T: Copy>(ctx: &TcContext, off: usize) -> Option<T> {
 // Inlined: as a subprogram its stack frame would add to tc_egress's, past
 // the kernel's 512 bytes.
 #[inline(always)]
-pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
+pub fn parse(ctx: &impl PacketContext) -> Result<Packet, Counter> {
     parse_with::<false>(ctx)
 }
 
 /// As `parse`, for the fragment programs: a later fragment of a UDP
 /// datagram, with its first's ports (see `fragment`).
 #[inline(always)]
-pub fn parse_fragment(ctx: &TcContext) -> Result<Packet, Counter> {
+pub fn parse_fragment(ctx: &impl PacketContext) -> Result<Packet, Counter> {
     parse_with::<true>(ctx)
 }
 
 #[inline(always)]
-fn parse_with<const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter> {
+fn parse_with<const FRAGMENTS: bool>(ctx: &impl PacketContext) -> Result<Packet, Counter> {
     if l2::ethertype(ctx).ok_or(Counter::Malformed)? != ETH_P_IP {
         return Err(Counter::Passed);
     }

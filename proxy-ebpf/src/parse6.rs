@@ -3,10 +3,10 @@
 //! `fragment`): a packet with other extension headers is reported and left
 //! to the kernel.
 
-use aya_ebpf::{EbpfContext, helpers::bpf_skb_load_bytes, programs::TcContext};
 use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
+    context::PacketContext,
     l2,
     parse::{Packet, read},
 };
@@ -35,14 +35,14 @@ const FRAGMENT_HLEN: usize = 8;
 /// The IPv6 program's parse; the IPv4 program hands IPv6 frames to it by a
 /// tail call, so neither program's stack holds the other's packet.
 #[inline(always)]
-pub fn parse(ctx: &TcContext) -> Result<Packet, Counter> {
+pub fn parse(ctx: &impl PacketContext) -> Result<Packet, Counter> {
     parse_with::<false, false>(ctx)
 }
 
 /// As `parse`, for the fragment programs: a later fragment of a UDP
 /// datagram, with its first's ports (see `fragment`).
 #[inline(always)]
-pub fn parse_fragment(ctx: &TcContext) -> Result<Packet, Counter> {
+pub fn parse_fragment(ctx: &impl PacketContext) -> Result<Packet, Counter> {
     parse_with::<false, true>(ctx)
 }
 
@@ -51,12 +51,12 @@ pub fn parse_fragment(ctx: &TcContext) -> Result<Packet, Counter> {
 /// IPv6-only code: a helper writing into `Packet` hides from LLVM that `v6`
 /// is a constant, so code that dispatches on it keeps its IPv4 branch.
 #[inline(always)]
-pub fn parse_in_place(ctx: &TcContext) -> Result<Packet, Counter> {
+pub fn parse_in_place(ctx: &impl PacketContext) -> Result<Packet, Counter> {
     parse_with::<true, false>(ctx)
 }
 
 #[inline(always)]
-fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> Result<Packet, Counter> {
+fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &impl PacketContext) -> Result<Packet, Counter> {
     // skb->protocol sent the frame here; the frame itself must agree (a
     // VLAN tag, say, would put other bytes where the header is read).
     if l2::ethertype(ctx).ok_or(Counter::Malformed)? != ETH_P_IPV6 {
@@ -138,7 +138,7 @@ fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> R
 
 /// A UDP datagram's first fragment, after the Fragment header.
 #[inline(always)]
-fn first_fragment<const IN_PLACE: bool>(ctx: &TcContext, l4_end: usize) -> Result<Packet, Counter> {
+fn first_fragment<const IN_PLACE: bool>(ctx: &impl PacketContext, l4_end: usize) -> Result<Packet, Counter> {
     let l3_off = l2::l3_off();
     let l4_off = l3_off + IPV6_HLEN + FRAGMENT_HLEN;
     if l4_off + 8 > l4_end {
@@ -169,7 +169,7 @@ fn first_fragment<const IN_PLACE: bool>(ctx: &TcContext, l4_end: usize) -> Resul
 
 /// A UDP datagram's later fragment, with its first's ports.
 #[inline(always)]
-fn later_fragment(ctx: &TcContext, l4_end: usize) -> Result<Packet, Counter> {
+fn later_fragment(ctx: &impl PacketContext, l4_end: usize) -> Result<Packet, Counter> {
     let l3_off = l2::l3_off();
     let id = u32::from_be(ctx.load(l3_off + IPV6_HLEN + 4).map_err(|_| Counter::Malformed)?);
     let key = crate::fragment::key_v6(ctx, l3_off, id, IPPROTO_UDP).ok_or(Counter::Fragment)?;
@@ -189,9 +189,7 @@ fn later_fragment(ctx: &TcContext, l4_end: usize) -> Result<Packet, Counter> {
 
 /// 16 bytes at `off` straight into `addr`, with no stack copy on the way.
 #[inline(always)]
-fn load_addr(ctx: &TcContext, off: usize, addr: &mut Addr) -> Result<(), Counter> {
-    let dst = addr.0.as_mut_ptr() as *mut core::ffi::c_void;
-    let ret = unsafe { bpf_skb_load_bytes(ctx.as_ptr(), off as u32, dst, 16) };
-    if ret == 0 { Ok(()) } else { Err(Counter::Malformed) }
+fn load_addr(ctx: &impl PacketContext, off: usize, addr: &mut Addr) -> Result<(), Counter> {
+    ctx.load_bytes(off, &mut addr.0).map_err(|_| Counter::Malformed)
 }
 

@@ -12,14 +12,10 @@
 //! for UDP the offset falls on the ICMP header's unused word, left zero, which
 //! keeps a valid ICMP checksum valid.
 
-use aya_ebpf::{
-    EbpfContext,
-    helpers::bpf_skb_load_bytes,
-    programs::TcContext,
-};
 use proxy_common::IPPROTO_TCP;
 
 use crate::{
+    context::PacketContext,
     l2::{self, ETH_ALEN, ETH_HLEN},
     maps::SCRATCH,
     parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
@@ -49,7 +45,7 @@ const TCP_CSUM_OFF: usize = IPV4_HLEN + 16;
 /// built in a per-CPU scratch buffer: the BPF stack (512 bytes for all
 /// frames) is already used by the lookup path.
 #[inline(never)]
-pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<(), i64> {
+pub fn reject(ctx: &impl PacketContext, pkt: &Packet) -> Result<(), i64> {
     let l3 = l2::l3_off();
     if pkt.l3_off != l3 || pkt.l4_off - pkt.l3_off != IPV4_HLEN {
         return Err(-1);
@@ -80,7 +76,7 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<(), i64> {
     let new_len = (l3 + len - ETH_HLEN) as u32;
     let partial = pkt.tuple.proto == IPPROTO_TCP && {
         ctx.change_tail(new_len, 0)?;
-        crate::skb::checksum_is_partial(ctx, l3 + TCP_CSUM_OFF)?
+        ctx.checksum_is_partial(l3 + TCP_CSUM_OFF)?
     };
     // Stores of a fixed size, within the new length.
     if pkt.tuple.proto == IPPROTO_TCP {
@@ -94,11 +90,11 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<(), i64> {
 
 /// The reset, its TCP header loaded where the segment's was (map memory, not
 /// the stack) and rewritten in place.
-fn tcp_rst(ctx: &TcContext, buf: &mut [u8; OUT_LEN], orig_ip: &[u8; IPV4_HLEN]) -> Result<usize, i64> {
+fn tcp_rst(ctx: &impl PacketContext, buf: &mut [u8; OUT_LEN], orig_ip: &[u8; IPV4_HLEN]) -> Result<usize, i64> {
     let total = u16::from_be_bytes([orig_ip[2], orig_ip[3]]) as u32;
     buf[ETH_HLEN + 9] = IPPROTO_TCP;
     let tcp: &mut [u8; TCP_HLEN] = (&mut buf[ETH_HLEN + IPV4_HLEN..ETH_HLEN + RST_L3_LEN]).try_into().map_err(|_| -1i64)?;
-    load(ctx, l2::l3_off() + IPV4_HLEN, tcp)?;
+    ctx.load_bytes(l2::l3_off() + IPV4_HLEN, tcp)?;
     reset_in_place(tcp, total.saturating_sub(IPV4_HLEN as u32));
     Ok(ETH_HLEN + RST_L3_LEN)
 }
@@ -132,14 +128,6 @@ pub fn reset_in_place(tcp: &mut [u8; TCP_HLEN], l4_len: u32) {
     tcp[14..].fill(0);
 }
 
-/// `dst.len()` bytes of the packet from `off`, into `dst` (map memory here):
-/// no copy through the stack. The lengths are constants at every call.
-#[inline(always)]
-pub fn load(ctx: &TcContext, off: usize, dst: &mut [u8]) -> Result<(), i64> {
-    let ret = unsafe { bpf_skb_load_bytes(ctx.as_ptr(), off as u32, dst.as_mut_ptr() as *mut _, dst.len() as u32) };
-    if ret < 0 { Err(ret) } else { Ok(()) }
-}
-
 /// The TCP checksum: the pseudo-header seed alone when the packet is
 /// CHECKSUM_PARTIAL (completion adds the header), else the full sum.
 fn finish_tcp_checksum(buf: &mut [u8; OUT_LEN], partial: bool) {
@@ -151,7 +139,7 @@ fn finish_tcp_checksum(buf: &mut [u8; OUT_LEN], partial: bool) {
     buf[tcp + 16..tcp + 18].copy_from_slice(&csum.to_be_bytes());
 }
 
-fn icmp_unreachable(ctx: &TcContext, buf: &mut [u8; OUT_LEN], orig_ip: &[u8; IPV4_HLEN]) -> Result<usize, i64> {
+fn icmp_unreachable(ctx: &impl PacketContext, buf: &mut [u8; OUT_LEN], orig_ip: &[u8; IPV4_HLEN]) -> Result<usize, i64> {
     let icmp = ETH_HLEN + IPV4_HLEN;
     let quote = icmp + ICMP_HLEN;
     buf[quote..quote + IPV4_HLEN].copy_from_slice(orig_ip);

@@ -10,14 +10,14 @@
 //! receivers ignore: it gets the seed, so completion makes the whole sum
 //! right (ICMPv6, unlike ICMP, covers a pseudo-header).
 
-use aya_ebpf::programs::TcContext;
 use proxy_common::IPPROTO_TCP;
 
 use crate::{
+    context::PacketContext,
     l2::{self, ETH_ALEN, ETH_HLEN},
     maps::SCRATCH6,
     parse::Packet,
-    reject::{TCP_HLEN, fold, load, reset_in_place, sum},
+    reject::{TCP_HLEN, fold, reset_in_place, sum},
 };
 
 const ETH_P_IPV6: u16 = 0x86dd;
@@ -47,7 +47,7 @@ const UDP_CSUM_OFF: usize = 6;
 /// per-CPU scratch frame: the lookup path leaves little of the 512-byte
 /// stack, and an IPv6 header is 40 bytes.
 #[inline(always)]
-pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<(), i64> {
+pub fn reject(ctx: &impl PacketContext, pkt: &Packet) -> Result<(), i64> {
     let l3 = l2::l3_off();
     if pkt.l3_off != l3 || pkt.l4_off != l3 + IPV6_HLEN {
         return Err(-1);
@@ -56,12 +56,12 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<(), i64> {
     buf.fill(0);
     // Ethernet back to the sender; IPv6 from the address dialled back to the client.
     if l2::has_ethernet() {
-        load(ctx, ETH_ALEN, &mut buf[..ETH_ALEN])?;
-        load(ctx, 0, &mut buf[ETH_ALEN..2 * ETH_ALEN])?;
+        ctx.load_bytes(ETH_ALEN, &mut buf[..ETH_ALEN])?;
+        ctx.load_bytes(0, &mut buf[ETH_ALEN..2 * ETH_ALEN])?;
         buf[12..14].copy_from_slice(&ETH_P_IPV6.to_be_bytes());
     }
-    load(ctx, l3 + 24, &mut buf[ETH_HLEN + 8..ETH_HLEN + 24])?;
-    load(ctx, l3 + 8, &mut buf[ETH_HLEN + 24..L4])?;
+    ctx.load_bytes(l3 + 24, &mut buf[ETH_HLEN + 8..ETH_HLEN + 24])?;
+    ctx.load_bytes(l3 + 8, &mut buf[ETH_HLEN + 24..L4])?;
     let orig_payload: u16 = u16::from_be(ctx.load(l3 + 4)?);
     let tcp = pkt.tuple.proto == IPPROTO_TCP;
 
@@ -75,18 +75,18 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<(), i64> {
     if tcp {
         // The segment's header, loaded where the reset's goes, then rewritten.
         let tcp: &mut [u8; TCP_HLEN] = (&mut buf[L4..L4 + TCP_HLEN]).try_into().map_err(|_| -1i64)?;
-        load(ctx, l3 + IPV6_HLEN, tcp)?;
+        ctx.load_bytes(l3 + IPV6_HLEN, tcp)?;
         reset_in_place(tcp, orig_payload as u32);
     } else {
         // The original IPv6 header and the 8 bytes after it.
-        load(ctx, l3, &mut buf[L4 + ICMP6_HLEN..L4 + ICMP6_LEN])?;
+        ctx.load_bytes(l3, &mut buf[L4 + ICMP6_HLEN..L4 + ICMP6_LEN])?;
         buf[L4] = ICMP6_DST_UNREACH;
         buf[L4 + 1] = ICMP6_PORT_UNREACH;
     }
     let len = l3 + IPV6_HLEN + payload;
     ctx.change_tail(len as u32, 0)?;
     // Probe before the final write, on the offset completion would write.
-    let partial = crate::skb::checksum_is_partial(ctx, l3 + IPV6_HLEN + if tcp { TCP_CSUM_OFF } else { UDP_CSUM_OFF })?;
+    let partial = ctx.checksum_is_partial(l3 + IPV6_HLEN + if tcp { TCP_CSUM_OFF } else { UDP_CSUM_OFF })?;
     // Pseudo-header (RFC 8200 8.1): addresses, upper-layer length, next
     // header. Summed after the helper calls: LLVM would otherwise load the
     // bytes before them and keep them on the stack across.

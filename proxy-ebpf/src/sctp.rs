@@ -10,14 +10,13 @@
 //! `skb->ip_summed == CHECKSUM_PARTIAL`, as with SCTP CRC offload on a
 //! locally sent packet — carries no CRC yet, and that later computation
 //! runs over the field as it stands: patching it would plant an error. TC
-//! programs cannot read `ip_summed`; `skb::checksum_is_partial` tells by
+//! programs cannot read `ip_summed`; `PacketContext::checksum_is_partial` tells by
 //! the l4 checksum helper's behaviour (it leaves a partial packet's field
 //! alone), on the CRC field itself, which is restored or rewritten after.
 
-use aya_ebpf::programs::TcContext;
 use proxy_common::crc32c::update_port;
 
-use crate::{parse::Packet, skb::checksum_is_partial};
+use crate::{context::PacketContext, parse::Packet};
 
 /// Source port, destination port, verification tag, checksum.
 pub const COMMON_HEADER_LEN: usize = 12;
@@ -42,7 +41,7 @@ pub fn opening_flags(first_chunk: Option<u8>) -> u8 {
 /// other: a subprogram's stack frame adds to its caller's, and tc_egress's
 /// own frame leaves little of the kernel's 512 bytes.
 #[inline(always)]
-pub fn rewrite_port(ctx: &TcContext, pkt: &Packet, port_field: usize, old_port: u16, new_port: u16) -> Result<(), i64> {
+pub fn rewrite_port(ctx: &impl PacketContext, pkt: &Packet, port_field: usize, old_port: u16, new_port: u16) -> Result<(), i64> {
     let port_off = pkt.l4_off + port_field;
     let dist = pkt.l4_end.checked_sub(port_off + 2).ok_or(-1i64)?;
     let probed = load_crc_and_probe(ctx, pkt.l4_csum_off);
@@ -69,9 +68,9 @@ const PARTIAL: i64 = 1 << 32;
 /// if the kernel computes the checksum later, or a helper's negative error.
 /// Leaves the probe's bytes in the field: `store_crc_and_port` overwrites them.
 #[inline(never)]
-fn load_crc_and_probe(ctx: &TcContext, csum_off: usize) -> i64 {
+fn load_crc_and_probe(ctx: &impl PacketContext, csum_off: usize) -> i64 {
     let Ok(stored) = ctx.load::<u32>(csum_off) else { return -1 };
-    match checksum_is_partial(ctx, csum_off) {
+    match ctx.checksum_is_partial(csum_off) {
         Ok(true) => i64::from(stored) | PARTIAL,
         Ok(false) => i64::from(stored),
         Err(e) => e,
@@ -80,7 +79,7 @@ fn load_crc_and_probe(ctx: &TcContext, csum_off: usize) -> i64 {
 
 /// Writes the CRC and the port (network order); 0 or a helper's negative error.
 #[inline(never)]
-fn store_crc_and_port(ctx: &TcContext, csum_off: usize, crc: u32, port_off: usize, port: u16) -> i64 {
+fn store_crc_and_port(ctx: &impl PacketContext, csum_off: usize, crc: u32, port_off: usize, port: u16) -> i64 {
     if let Err(e) = ctx.store(csum_off, &crc, 0) {
         return e;
     }

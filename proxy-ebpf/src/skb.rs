@@ -26,19 +26,6 @@ pub fn ifindex(ctx: &TcContext) -> u32 {
     unsafe { (*raw(ctx)).ifindex }
 }
 
-/// Whether the skb is CHECKSUM_PARTIAL (the rest of its checksum will be
-/// computed on the way out). TC programs cannot read `ip_summed`, but the
-/// kernel's l4 checksum helper leaves a partial packet's field untouched
-/// unless the pseudo-header changes: change a test value and look. The
-/// field at `off` is overwritten afterwards by the caller.
-#[inline(always)]
-pub fn checksum_is_partial(ctx: &TcContext, off: usize) -> Result<bool, i64> {
-    const PROBE: u16 = 0x1234;
-    ctx.store(off, &PROBE, 0)?;
-    ctx.l4_csum_replace(off, 0, 1, 2)?;
-    Ok(ctx.load::<u16>(off)? == PROBE)
-}
-
 /// `skb->cb[0]`: scratch the kernel keeps across a tail call.
 #[inline(always)]
 pub fn cb0(ctx: &TcContext) -> u32 {
