@@ -21,7 +21,7 @@ use proxy_common::FrontendKey;
 
 use crate::{
     capacity::{self, Budget, Full, Unlimited},
-    model::{self, BackendSetKey, BackendTuple, DesiredState, ModelConfig, ObjectError, ServiceKey},
+    model::{self, BackendSetKey, BackendTuple, DesiredState, ModelConfig, ObjectError, ServiceKey, SkipReason},
     precedence::{self, Claim},
     service_cidrs,
     source::Snapshot,
@@ -152,7 +152,7 @@ impl Model {
             self.key_errors.values().flatten().chain(parts).chain(&self.service_cidr_errors).cloned().collect();
         for (joined, r) in &self.refused {
             let (ns, name) = joined.split_once('\0').unwrap_or(("", ""));
-            errors.push(ObjectError { object: format!("service {ns}/{name}"), reason: r.full.to_string() });
+            errors.push(ObjectError::service(ns, name, SkipReason::MapFull, r.full.to_string()));
         }
         let mut conflicts = Vec::new();
         for (fk, claimants) in &self.contested {

@@ -162,44 +162,9 @@ fn labels(e: &ObjectError) -> SkippedLabels {
     SkippedLabels { kind: kind.into(), reason: reason.into() }
 }
 
-/// A bounded label for a skipped problem: the object's kind and what was
-/// wrong, from the model's message (see the test that checks every message
-/// the model produces has a class).
+/// A bounded label for a skipped problem: the object's kind and why.
 pub fn classify(e: &ObjectError) -> (&'static str, &'static str) {
-    let kind = match e.object.split_whitespace().next() {
-        Some("service") => "Service",
-        Some("endpointslice") => "EndpointSlice",
-        Some("node") => "Node",
-        Some("servicecidr") => "ServiceCIDR",
-        _ => "other",
-    };
-    let r = e.reason.as_str();
-    let reason = if r.contains("(capacity ") && r.contains("; map full)") {
-        "map_full"
-    } else if r.contains("endpoint address") && r.contains(" refused: ") {
-        "invalid_endpoint"
-    } else if r.contains("invalid IP") || r.contains("invalid endpoint address") {
-        "invalid_ip"
-    } else if r.contains("invalid CIDR") {
-        "invalid_cidr"
-    } else if r.contains("out of range") {
-        "port_out_of_range"
-    } else if r.contains("unknown protocol") {
-        "unknown_protocol"
-    } else if r.contains("ipMode: unknown mode") {
-        "unknown_ip_mode"
-    } else if r.contains("(frontend conflict)") {
-        "frontend_conflict"
-    } else if r.contains("no such service") || r.contains("kubernetes.io/service-name label") {
-        "missing_service"
-    } else if r.contains("duplicate") {
-        "duplicate"
-    } else if r.contains("no spec") {
-        "missing_field"
-    } else {
-        "other"
-    };
-    (kind, reason)
+    (e.kind.label(), e.why.label())
 }
 
 /// Trigger times of EndpointSlice changes not yet programmed. Like

@@ -29,7 +29,7 @@ use proxy_common::{FrontendKey, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BAL
 
 use crate::{
     dump::{kind_name, protocol_name},
-    model::{ObjectError, ServiceKey},
+    model::{ObjectError, ServiceKey, SkipReason},
 };
 
 /// One Service's claim on one frontend. Of the claims on a frontend, the
@@ -96,15 +96,13 @@ pub fn report_losers(key: &FrontendKey, claims: &[Claim], errors: &mut Vec<Objec
 fn conflict(key: &FrontendKey, winner: &Claim, loser: &Claim) -> ObjectError {
     let at = SocketAddr::new(key.addr.to_ip(), u16::from_be(key.port));
     let (ns, name) = winner.service;
-    ObjectError {
-        object: format!("service {}/{}", loser.service.0, loser.service.1),
-        reason: format!(
-            "{} {at}/{} is also service {ns}/{name}'s {}, which is served there (frontend conflict); skipped",
-            kind_name(loser.kind),
-            protocol_name(key.proto),
-            kind_name(winner.kind),
-        ),
-    }
+    let reason = format!(
+        "{} {at}/{} is also service {ns}/{name}'s {}, which is served there (frontend conflict); skipped",
+        kind_name(loser.kind),
+        protocol_name(key.proto),
+        kind_name(winner.kind),
+    );
+    ObjectError::service(loser.service.0, loser.service.1, SkipReason::FrontendConflict, reason)
 }
 
 #[cfg(test)]

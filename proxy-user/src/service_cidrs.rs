@@ -10,7 +10,7 @@ use std::{collections::BTreeSet, sync::Arc};
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 
-use crate::model::ObjectError;
+use crate::model::{ObjectError, SkipReason};
 
 /// The effective service CIDRs, and what in the objects was skipped. An
 /// object whose every entry is invalid still counts as the cluster's word:
@@ -22,9 +22,9 @@ pub fn effective(objects: &[Arc<ServiceCIDR>], fallback: &[IpNet]) -> (BTreeSet<
     let mut cidrs = BTreeSet::new();
     let mut errors = Vec::new();
     for obj in objects {
-        let object = format!("servicecidr {}", obj.metadata.name.as_deref().unwrap_or("?"));
+        let name = obj.metadata.name.as_deref().unwrap_or("?");
         let Some(entries) = obj.spec.as_ref().and_then(|s| s.cidrs.as_ref()).filter(|c| !c.is_empty()) else {
-            errors.push(ObjectError { object, reason: "no spec.cidrs; it adds no CIDR".into() });
+            errors.push(ObjectError::service_cidr(name, SkipReason::MissingField, "no spec.cidrs; it adds no CIDR".into()));
             continue;
         };
         for (i, cidr) in entries.iter().enumerate() {
@@ -32,7 +32,10 @@ pub fn effective(objects: &[Arc<ServiceCIDR>], fallback: &[IpNet]) -> (BTreeSet<
                 Ok(net) => {
                     cidrs.insert(net.trunc());
                 }
-                Err(_) => errors.push(ObjectError { object: object.clone(), reason: format!("spec.cidrs[{i}]: invalid CIDR {cidr:?}; skipped") }),
+                Err(_) => {
+                    let reason = format!("spec.cidrs[{i}]: invalid CIDR {cidr:?}; skipped");
+                    errors.push(ObjectError::service_cidr(name, SkipReason::InvalidCidr, reason));
+                }
             }
         }
     }

@@ -1,0 +1,90 @@
+//! What the model decides: the frontends, backend sets, ClusterIPs, source
+//! ranges and service CIDRs the datapath should hold.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::IpAddr,
+};
+
+use ipnet::IpNet;
+use proxy_common::FrontendKey;
+
+/// `namespace/name:port-name`, as kube-proxy prints a service port.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServicePortName {
+    pub namespace: String,
+    pub name: String,
+    pub port: String,
+    /// The IPv6 half of a Service: its own backend set (IPv6 endpoints for
+    /// IPv6 frontends), as kube-proxy runs one proxier per family.
+    pub ipv6: bool,
+}
+
+impl fmt::Display for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)?;
+        if !self.port.is_empty() {
+            write!(f, ":{}", self.port)?;
+        }
+        if self.ipv6 {
+            write!(f, " (IPv6)")?;
+        }
+        Ok(())
+    }
+}
+
+/// One backend set: a service port's endpoints under one endpoint policy
+/// (POLICY_CLUSTER: every usable endpoint; POLICY_LOCAL: this node's).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendSetKey {
+    pub service: ServicePortName,
+    pub policy: u8,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DesiredBackend {
+    pub addr: IpAddr,
+    pub port: u16,
+    pub proto: u8,
+    /// BACKEND_* flags.
+    pub flags: u8,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DesiredFrontend {
+    pub set: BackendSetKey,
+    pub kind: u8,
+    /// SVC_* flags.
+    pub flags: u8,
+    pub affinity_timeout_s: u32,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DesiredState {
+    /// Sorted and free of duplicates, so equal inputs give equal slots.
+    pub backend_sets: BTreeMap<BackendSetKey, Vec<DesiredBackend>>,
+    pub frontends: BTreeMap<FrontendKey, DesiredFrontend>,
+    /// Every ClusterIP in use: a port it does not serve is rejected.
+    pub cluster_ips: BTreeSet<IpAddr>,
+    /// loadBalancerSourceRanges, by the backend set their frontends use.
+    pub source_ranges: BTreeMap<BackendSetKey, Vec<IpNet>>,
+    /// Every distinct backend in `backend_sets`, with the union of its flags
+    /// across the sets it is in (`backend_states`).
+    pub backends: BTreeMap<BackendTuple, u8>,
+    /// Where an address no Service owns is dropped (`service_cidrs::effective`).
+    pub service_cidrs: BTreeSet<IpNet>,
+}
+
+/// A backend's identity: address, port, IP protocol.
+pub type BackendTuple = (IpAddr, u16, u8);
+
+/// Every distinct backend (address, port, protocol) in the state, in order,
+/// with the union of its states across the sets it is in.
+pub fn backend_states(state: &DesiredState) -> BTreeMap<BackendTuple, u8> {
+    let mut states = BTreeMap::new();
+    for b in state.backend_sets.values().flatten() {
+        *states.entry((b.addr, b.port, b.proto)).or_default() |= b.flags;
+    }
+    states
+}
