@@ -24,6 +24,7 @@ use crate::{
     maps::{FRAGMENT_KEY, FRAGMENTS, count},
     parse::Packet,
 };
+use crate::headers::{IPV6_HLEN, IPV6_SRC_OFF, IPV6_DST_OFF};
 
 /// Where a packet stands in its datagram (`Packet::fragment`).
 pub const NOT_FRAGMENT: u8 = 0;
@@ -47,8 +48,8 @@ pub fn key(src: &Addr, dst: &Addr, id: u32, proto: u8) -> Option<&'static Fragme
 #[inline(always)]
 pub fn key_v6(ctx: &impl PacketContext, l3_off: usize, id: u32, proto: u8) -> Option<&'static FragmentKey> {
     let key = unsafe { &mut *FRAGMENT_KEY.get_ptr_mut(0)? };
-    ctx.load_bytes(l3_off + crate::parse6::SRC_OFF, &mut key.src.0).ok()?;
-    ctx.load_bytes(l3_off + crate::parse6::DST_OFF, &mut key.dst.0).ok()?;
+    ctx.load_bytes(l3_off + IPV6_SRC_OFF, &mut key.src.0).ok()?;
+    ctx.load_bytes(l3_off + IPV6_DST_OFF, &mut key.dst.0).ok()?;
     key.id = id;
     key.proto = proto;
     key._pad = [0; 3];
@@ -63,7 +64,7 @@ pub fn key_v6(ctx: &impl PacketContext, l3_off: usize, id: u32, proto: u8) -> Op
 pub fn remember_first<const V6: bool>(ctx: &impl PacketContext, pkt: &Packet) {
     // IPv4: the header's ID; IPv6: the Fragment header's, after the fixed one.
     let id = if V6 {
-        ctx.load::<u32>(pkt.l3_off + crate::parse6::IPV6_HLEN + 4).map(u32::from_be)
+        ctx.load::<u32>(pkt.l3_off + IPV6_HLEN + 4).map(u32::from_be)
     } else {
         ctx.load::<u16>(pkt.l3_off + 4).map(|id| u16::from_be(id) as u32)
     };

@@ -32,14 +32,9 @@ use crate::{
     context::PacketContext,
     conntrack,
     l2,
-    parse::ETH_P_IP,
-    parse6::ETH_P_IPV6,
 };
+use crate::headers::{ETH_P_IP, ETH_P_IPV6, IPV4_CSUM_OFF, IPV4_SRC_OFF, IPV4_DST_OFF, IPV6_HLEN, IPV6_SRC_OFF, IPV6_DST_OFF, TCP_CSUM_OFF, UDP_CSUM_OFF, ICMP_HLEN, ICMP_CSUM_OFF};
 
-/// Type, code, checksum and the 4-byte rest of the header: the quote follows.
-const ICMP_HLEN: usize = 8;
-const ICMP_CSUM_OFF: usize = 2;
-const IPV4_CSUM_OFF: usize = 10;
 
 /// The IP protocol (IPv6: next header) of an IP frame of the program's
 /// family; None for anything else (ARP, say, whose bytes at the protocol's
@@ -74,9 +69,9 @@ pub fn is_icmp<const V6: bool>(ctx: &impl PacketContext) -> bool {
 pub fn destination<const V6: bool>(ctx: &impl PacketContext) -> Option<Addr> {
     let l3 = l2::l3_off();
     if V6 {
-        Some(Addr(ctx.load(l3 + 24).ok()?))
+        Some(Addr(ctx.load(l3 + IPV6_DST_OFF).ok()?))
     } else {
-        Some(Addr::from_v4_octets(ctx.load(l3 + 16).ok()?))
+        Some(Addr::from_v4_octets(ctx.load(l3 + IPV4_DST_OFF).ok()?))
     }
 }
 
@@ -110,7 +105,7 @@ fn parse<const V6: bool>(ctx: &impl PacketContext) -> Option<Error> {
         if ethertype != ETH_P_IPV6 || ctx.load::<u8>(l3 + 6).ok()? != IPPROTO_ICMPV6 {
             return None;
         }
-        (l3 + 40, Addr(ctx.load(l3 + 8).ok()?), Addr(ctx.load(l3 + 24).ok()?))
+        (l3 + IPV6_HLEN, Addr(ctx.load(l3 + IPV6_SRC_OFF).ok()?), Addr(ctx.load(l3 + IPV6_DST_OFF).ok()?))
     } else {
         let ver_ihl: u8 = ctx.load(l3).ok()?;
         let ihl = ((ver_ihl & 0x0f) as usize) * 4;
@@ -121,7 +116,7 @@ fn parse<const V6: bool>(ctx: &impl PacketContext) -> Option<Error> {
         if u16::from_be(ctx.load::<u16>(l3 + 6).ok()?) & 0x3fff != 0 {
             return None;
         }
-        (l3 + ihl, Addr::from_v4_octets(ctx.load(l3 + 12).ok()?), Addr::from_v4_octets(ctx.load(l3 + 16).ok()?))
+        (l3 + ihl, Addr::from_v4_octets(ctx.load(l3 + IPV4_SRC_OFF).ok()?), Addr::from_v4_octets(ctx.load(l3 + IPV4_DST_OFF).ok()?))
     };
     if !is_error::<V6>(ctx.load(icmp).ok()?) {
         return None;
@@ -129,7 +124,7 @@ fn parse<const V6: bool>(ctx: &impl PacketContext) -> Option<Error> {
     let inner_l3 = icmp + ICMP_HLEN;
     let (inner_l4, proto, src, dst) = if V6 {
         let proto: u8 = ctx.load(inner_l3 + 6).ok()?;
-        (inner_l3 + 40, proto, Addr(ctx.load(inner_l3 + 8).ok()?), Addr(ctx.load(inner_l3 + 24).ok()?))
+        (inner_l3 + IPV6_HLEN, proto, Addr(ctx.load(inner_l3 + IPV6_SRC_OFF).ok()?), Addr(ctx.load(inner_l3 + IPV6_DST_OFF).ok()?))
     } else {
         let ver_ihl: u8 = ctx.load(inner_l3).ok()?;
         let ihl = ((ver_ihl & 0x0f) as usize) * 4;
@@ -137,11 +132,11 @@ fn parse<const V6: bool>(ctx: &impl PacketContext) -> Option<Error> {
             return None;
         }
         let proto: u8 = ctx.load(inner_l3 + 9).ok()?;
-        (inner_l3 + ihl, proto, Addr::from_v4_octets(ctx.load(inner_l3 + 12).ok()?), Addr::from_v4_octets(ctx.load(inner_l3 + 16).ok()?))
+        (inner_l3 + ihl, proto, Addr::from_v4_octets(ctx.load(inner_l3 + IPV4_SRC_OFF).ok()?), Addr::from_v4_octets(ctx.load(inner_l3 + IPV4_DST_OFF).ok()?))
     };
     let csum_field = match proto {
-        IPPROTO_TCP => Some(16),
-        IPPROTO_UDP => Some(6),
+        IPPROTO_TCP => Some(TCP_CSUM_OFF),
+        IPPROTO_UDP => Some(UDP_CSUM_OFF),
         IPPROTO_SCTP => None,
         _ => return None,
     };

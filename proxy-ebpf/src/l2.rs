@@ -11,10 +11,8 @@
 use aya_ebpf::{Global, programs::TcContext};
 
 use crate::context::PacketContext;
+use crate::headers::{ETH_HLEN, ETH_TYPE_OFF};
 
-pub const ETH_HLEN: usize = 14;
-pub const ETH_ALEN: usize = 6;
-const ETH_TYPE_OFF: usize = 12;
 
 /// Set by the agent at load: 0 in the copy of the object for L3 devices.
 #[unsafe(no_mangle)]

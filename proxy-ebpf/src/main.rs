@@ -11,6 +11,8 @@ mod context;
 #[cfg(target_arch = "bpf")]
 mod fragment;
 #[cfg(target_arch = "bpf")]
+mod headers;
+#[cfg(target_arch = "bpf")]
 mod icmp;
 #[cfg(target_arch = "bpf")]
 mod l2;
@@ -63,6 +65,7 @@ mod program {
 
     use crate::{
         conntrack::{self, Confirming},
+        headers::{TCP_SEQ_OFF, TCP_ACK_OFF, TCP_RST},
         fragment,
         lb::{self, Miss},
         icmp,
@@ -214,7 +217,7 @@ mod program {
                     return verdict::<TRACE>(done, Counter::Reply);
                 }
                 CT_ORIGINAL if lb::backend_still_matches(ct, !TRACE) => {
-                    let acked = || ctx.load::<u32>(pkt.l4_off + parse::TCP_ACK_OFF).ok();
+                    let acked = || ctx.load::<u32>(pkt.l4_off + TCP_ACK_OFF).ok();
                     if !TRACE && ct.flags & CT_PENDING != 0 && conntrack::completes_handshake(ct, &pkt, acked) {
                         if let Some(flow) = Confirming::of_original(&pkt.tuple, ct) {
                             flow.confirm();
@@ -258,7 +261,7 @@ mod program {
             return conntrack::lookup_mut(&pkt.tuple);
         }
         if pkt.answers_opening() {
-            if let Ok(seq) = ctx.load::<u32>(pkt.l4_off + parse::TCP_SEQ_OFF) {
+            if let Ok(seq) = ctx.load::<u32>(pkt.l4_off + TCP_SEQ_OFF) {
                 flow.expect_handshake_ack(seq);
             }
         }
@@ -792,7 +795,7 @@ mod program {
         // A first fragment (later ones never get here, see `fragment`): a
         // reject built from it would quote part of a datagram netfilter
         // rejects whole, after reassembly.
-        if pkt.tcp_flags & parse::TCP_RST != 0 || pkt.fragment != fragment::NOT_FRAGMENT {
+        if pkt.tcp_flags & TCP_RST != 0 || pkt.fragment != fragment::NOT_FRAGMENT {
             note::<TRACE>(Counter::RejectSuppressed);
             return DROP;
         }

@@ -10,10 +10,8 @@ use aya_ebpf::bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR};
 use proxy_common::{Addr, IPPROTO_SCTP, IPPROTO_UDP, csum};
 
 use crate::{context::PacketContext, parse::Packet, sctp};
+use crate::headers::{IPV4_CSUM_OFF, IPV4_SRC_OFF, IPV4_DST_OFF};
 
-const IP_CSUM_OFF: usize = 10;
-pub const IP_SRC_OFF: usize = 12;
-pub const IP_DST_OFF: usize = 16;
 
 /// Client -> frontend becomes client -> backend.
 #[inline(always)]
@@ -21,7 +19,7 @@ pub fn rewrite_dst(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr, port: u1
     if pkt.v6 {
         return crate::nat6::rewrite_dst::<true>(ctx, pkt, addr, port);
     }
-    rewrite::<true>(ctx, pkt, IP_DST_OFF, &pkt.tuple.dst, addr, 2, pkt.tuple.dport, port)
+    rewrite::<true>(ctx, pkt, IPV4_DST_OFF, &pkt.tuple.dst, addr, 2, pkt.tuple.dport, port)
 }
 
 /// Backend -> client becomes frontend -> client.
@@ -30,7 +28,7 @@ pub fn rewrite_src(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr, port: u1
     if pkt.v6 {
         return crate::nat6::rewrite_src::<true>(ctx, pkt, addr, port);
     }
-    rewrite::<true>(ctx, pkt, IP_SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
+    rewrite::<true>(ctx, pkt, IPV4_SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
 }
 
 /// `rewrite_dst` for a later IP fragment, which has no L4 header: the
@@ -41,7 +39,7 @@ pub fn rewrite_dst_address(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr) 
     if pkt.v6 {
         return crate::nat6::rewrite_dst::<false>(ctx, pkt, addr, port);
     }
-    rewrite::<false>(ctx, pkt, IP_DST_OFF, &pkt.tuple.dst, addr, 2, port, port)
+    rewrite::<false>(ctx, pkt, IPV4_DST_OFF, &pkt.tuple.dst, addr, 2, port, port)
 }
 
 /// `rewrite_src` for a later IP fragment (see `rewrite_dst_address`).
@@ -51,7 +49,7 @@ pub fn rewrite_src_address(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr) 
     if pkt.v6 {
         return crate::nat6::rewrite_src::<false>(ctx, pkt, addr, port);
     }
-    rewrite::<false>(ctx, pkt, IP_SRC_OFF, &pkt.tuple.src, addr, 0, port, port)
+    rewrite::<false>(ctx, pkt, IPV4_SRC_OFF, &pkt.tuple.src, addr, 0, port, port)
 }
 
 /// `L4`: the packet has its L4 header (every packet but a later fragment),
@@ -76,8 +74,8 @@ fn rewrite<const L4: bool>(
     let port_changes = old_port != new_port && L4;
     // The direct writes come first: the helpers below may move the packet.
     if addr_changes {
-        let field = read(ctx, pkt.l3_off + IP_CSUM_OFF)?;
-        write(ctx, pkt.l3_off + IP_CSUM_OFF, csum::replace4(field, old_octets, new_octets))?;
+        let field = read(ctx, pkt.l3_off + IPV4_CSUM_OFF)?;
+        write(ctx, pkt.l3_off + IPV4_CSUM_OFF, csum::replace4(field, old_octets, new_octets))?;
         write(ctx, pkt.l3_off + ip_field, new_octets)?;
     }
     if port_changes && !is_sctp {

@@ -7,18 +7,19 @@
 use aya_ebpf::bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR};
 use proxy_common::{Addr, IPPROTO_SCTP, IPPROTO_UDP};
 
-use crate::{context::PacketContext, parse::Packet, parse6, sctp};
+use crate::{context::PacketContext, parse::Packet, sctp};
+use crate::headers::{IPV6_SRC_OFF, IPV6_DST_OFF};
 
 /// Client -> frontend becomes client -> backend. `L4`: see nat::rewrite.
 #[inline(always)]
 pub fn rewrite_dst<const L4: bool>(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
-    rewrite::<L4>(ctx, pkt, parse6::DST_OFF, &pkt.tuple.dst, addr, 2, pkt.tuple.dport, port)
+    rewrite::<L4>(ctx, pkt, IPV6_DST_OFF, &pkt.tuple.dst, addr, 2, pkt.tuple.dport, port)
 }
 
 /// Backend -> client becomes frontend -> client.
 #[inline(always)]
 pub fn rewrite_src<const L4: bool>(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
-    rewrite::<L4>(ctx, pkt, parse6::SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
+    rewrite::<L4>(ctx, pkt, IPV6_SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
 }
 
 #[inline(always)]

@@ -13,10 +13,10 @@ use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP}
 use crate::{
     context::PacketContext,
     fragment,
-    l2::{self, ETH_HLEN},
+    l2,
 };
+use crate::headers::{ETH_HLEN, ETH_P_IP, IPV4_SRC_OFF, IPV4_DST_OFF, TCP_HLEN, TCP_FLAGS_OFF, TCP_CSUM_OFF, TCP_FIN, TCP_SYN, TCP_RST, TCP_ACK, UDP_HLEN, UDP_CSUM_OFF};
 
-pub const ETH_P_IP: u16 = 0x0800;
 const IP_MF_AND_OFFSET: u16 = 0x3fff;
 const IP_OFFSET: u16 = 0x1fff;
 /// The most `parse` reads: Ethernet (if any), IPv4 with the longest
@@ -45,14 +45,7 @@ pub struct Packet {
     pub fragment: u8,
 }
 
-/// Offsets in the TCP header of the sequence and acknowledgement numbers.
-pub const TCP_SEQ_OFF: usize = 4;
-pub const TCP_ACK_OFF: usize = 8;
 
-pub const TCP_FIN: u8 = 0x01;
-pub const TCP_SYN: u8 = 0x02;
-pub const TCP_RST: u8 = 0x04;
-pub const TCP_ACK: u8 = 0x10;
 
 impl Packet {
     /// A TCP SYN without ACK: a client opening a connection.
@@ -152,15 +145,15 @@ fn parse_with<const FRAGMENTS: bool>(ctx: &impl PacketContext) -> Result<Packet,
         return Err(Counter::Fragment);
     }
     let (l4_hlen, csum_field) = match proto {
-        IPPROTO_TCP => (20, 16),
-        IPPROTO_UDP => (8, 6),
+        IPPROTO_TCP => (TCP_HLEN, TCP_CSUM_OFF),
+        IPPROTO_UDP => (UDP_HLEN, UDP_CSUM_OFF),
         IPPROTO_SCTP => (crate::sctp::COMMON_HEADER_LEN, crate::sctp::CHECKSUM_OFF),
         _ => return Err(Counter::Passed),
     };
     let l4_off = l3_off + ihl;
     if FRAGMENTS {
-        let src: [u8; 4] = read(ctx, l3_off + 12).ok_or(Counter::Malformed)?;
-        let dst: [u8; 4] = read(ctx, l3_off + 16).ok_or(Counter::Malformed)?;
+        let src: [u8; 4] = read(ctx, l3_off + IPV4_SRC_OFF).ok_or(Counter::Malformed)?;
+        let dst: [u8; 4] = read(ctx, l3_off + IPV4_DST_OFF).ok_or(Counter::Malformed)?;
         let id = u16::from_be(read::<u16>(ctx, l3_off + 4).ok_or(Counter::Malformed)?);
         let key = fragment::key(&Addr::from_v4_octets(src), &Addr::from_v4_octets(dst), id as u32, proto).ok_or(Counter::Fragment)?;
         let ports = fragment::ports_of(key).ok_or(Counter::Fragment)?;
@@ -179,12 +172,12 @@ fn parse_with<const FRAGMENTS: bool>(ctx: &impl PacketContext) -> Result<Packet,
     if l4_off + l4_hlen > l3_off + total_len {
         return Err(Counter::Malformed);
     }
-    let src: [u8; 4] = read(ctx, l3_off + 12).ok_or(Counter::Malformed)?;
-    let dst: [u8; 4] = read(ctx, l3_off + 16).ok_or(Counter::Malformed)?;
+    let src: [u8; 4] = read(ctx, l3_off + IPV4_SRC_OFF).ok_or(Counter::Malformed)?;
+    let dst: [u8; 4] = read(ctx, l3_off + IPV4_DST_OFF).ok_or(Counter::Malformed)?;
     let sport: u16 = read(ctx, l4_off).ok_or(Counter::Malformed)?;
     let dport: u16 = read(ctx, l4_off + 2).ok_or(Counter::Malformed)?;
     let tcp_flags: u8 = match proto {
-        IPPROTO_TCP => read(ctx, l4_off + 13).ok_or(Counter::Malformed)?,
+        IPPROTO_TCP => read(ctx, l4_off + TCP_FLAGS_OFF).ok_or(Counter::Malformed)?,
         IPPROTO_SCTP => crate::sctp::opening_flags(read(ctx, l4_off + crate::sctp::COMMON_HEADER_LEN)),
         _ => 0,
     };

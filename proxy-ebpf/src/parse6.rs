@@ -10,12 +10,8 @@ use crate::{
     l2,
     parse::{Packet, read},
 };
+use crate::headers::{ETH_P_IPV6, IPV6_HLEN, IPV6_SRC_OFF, IPV6_DST_OFF, TCP_HLEN, TCP_FLAGS_OFF, TCP_CSUM_OFF, UDP_HLEN, UDP_CSUM_OFF};
 
-pub const ETH_P_IPV6: u16 = 0x86dd;
-pub const IPV6_HLEN: usize = 40;
-/// Offsets of the addresses in the IPv6 header.
-pub const SRC_OFF: usize = 8;
-pub const DST_OFF: usize = 24;
 
 /// Next-header values that announce an extension header (RFC 8200 4.1 and
 /// the IANA list), the Fragment header apart.
@@ -96,8 +92,8 @@ fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &impl PacketCont
         return Err(Counter::Fragment);
     }
     let (l4_hlen, csum_field) = match proto {
-        IPPROTO_TCP => (20, 16),
-        IPPROTO_UDP => (8, 6),
+        IPPROTO_TCP => (TCP_HLEN, TCP_CSUM_OFF),
+        IPPROTO_UDP => (UDP_HLEN, UDP_CSUM_OFF),
         IPPROTO_SCTP => (crate::sctp::COMMON_HEADER_LEN, crate::sctp::CHECKSUM_OFF),
         // A Fragment header after another (or after a first one).
         NEXTHDR_FRAGMENT => return Err(Counter::Fragment),
@@ -111,7 +107,7 @@ fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &impl PacketCont
     let sport: u16 = ctx.load(l4_off).map_err(|_| Counter::Malformed)?;
     let dport: u16 = ctx.load(l4_off + 2).map_err(|_| Counter::Malformed)?;
     let tcp_flags: u8 = match proto {
-        IPPROTO_TCP => ctx.load(l4_off + 13).map_err(|_| Counter::Malformed)?,
+        IPPROTO_TCP => ctx.load(l4_off + TCP_FLAGS_OFF).map_err(|_| Counter::Malformed)?,
         IPPROTO_SCTP => crate::sctp::opening_flags(ctx.load(l4_off + crate::sctp::COMMON_HEADER_LEN).ok()),
         _ => 0,
     };
@@ -127,11 +123,11 @@ fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &impl PacketCont
         fragment: crate::fragment::NOT_FRAGMENT,
     };
     if IN_PLACE {
-        load_addr(ctx, l3_off + SRC_OFF, &mut pkt.tuple.src)?;
-        load_addr(ctx, l3_off + DST_OFF, &mut pkt.tuple.dst)?;
+        load_addr(ctx, l3_off + IPV6_SRC_OFF, &mut pkt.tuple.src)?;
+        load_addr(ctx, l3_off + IPV6_DST_OFF, &mut pkt.tuple.dst)?;
     } else {
-        pkt.tuple.src = Addr(ctx.load(l3_off + SRC_OFF).map_err(|_| Counter::Malformed)?);
-        pkt.tuple.dst = Addr(ctx.load(l3_off + DST_OFF).map_err(|_| Counter::Malformed)?);
+        pkt.tuple.src = Addr(ctx.load(l3_off + IPV6_SRC_OFF).map_err(|_| Counter::Malformed)?);
+        pkt.tuple.dst = Addr(ctx.load(l3_off + IPV6_DST_OFF).map_err(|_| Counter::Malformed)?);
     }
     Ok(pkt)
 }
@@ -150,7 +146,7 @@ fn first_fragment<const IN_PLACE: bool>(ctx: &impl PacketContext, l4_end: usize)
         tuple: CtKey { src: Addr::default(), dst: Addr::default(), sport, dport, proto: IPPROTO_UDP, _pad: [0; 3] },
         l3_off,
         l4_off,
-        l4_csum_off: l4_off + 6,
+        l4_csum_off: l4_off + UDP_CSUM_OFF,
         l4_end,
         proto: IPPROTO_UDP,
         tcp_flags: 0,
@@ -158,11 +154,11 @@ fn first_fragment<const IN_PLACE: bool>(ctx: &impl PacketContext, l4_end: usize)
         fragment: crate::fragment::FIRST,
     };
     if IN_PLACE {
-        load_addr(ctx, l3_off + SRC_OFF, &mut pkt.tuple.src)?;
-        load_addr(ctx, l3_off + DST_OFF, &mut pkt.tuple.dst)?;
+        load_addr(ctx, l3_off + IPV6_SRC_OFF, &mut pkt.tuple.src)?;
+        load_addr(ctx, l3_off + IPV6_DST_OFF, &mut pkt.tuple.dst)?;
     } else {
-        pkt.tuple.src = Addr(ctx.load(l3_off + SRC_OFF).map_err(|_| Counter::Malformed)?);
-        pkt.tuple.dst = Addr(ctx.load(l3_off + DST_OFF).map_err(|_| Counter::Malformed)?);
+        pkt.tuple.src = Addr(ctx.load(l3_off + IPV6_SRC_OFF).map_err(|_| Counter::Malformed)?);
+        pkt.tuple.dst = Addr(ctx.load(l3_off + IPV6_DST_OFF).map_err(|_| Counter::Malformed)?);
     }
     Ok(pkt)
 }

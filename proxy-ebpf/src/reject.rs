@@ -16,15 +16,12 @@ use proxy_common::IPPROTO_TCP;
 
 use crate::{
     context::PacketContext,
-    l2::{self, ETH_ALEN, ETH_HLEN},
+    l2,
     maps::SCRATCH,
-    parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    parse::Packet,
 };
+use crate::headers::{ETH_HLEN, ETH_ALEN, ETH_P_IP, IPV4_HLEN, TCP_HLEN, TCP_CSUM_OFF, TCP_FIN, TCP_SYN, TCP_RST, TCP_ACK, ICMP_HLEN};
 
-const ETH_P_IP: u16 = 0x0800;
-const IPV4_HLEN: usize = 20;
-pub const TCP_HLEN: usize = 20;
-const ICMP_HLEN: usize = 8;
 /// RFC 792: the original IP header and the first 8 bytes of its payload.
 const QUOTE_LEN: usize = IPV4_HLEN + 8;
 const ICMP_L3_LEN: usize = IPV4_HLEN + ICMP_HLEN + QUOTE_LEN;
@@ -35,8 +32,6 @@ pub const OUT_LEN: usize = ETH_HLEN + ICMP_L3_LEN;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
 const IPPROTO_ICMP: u8 = 1;
-/// In the IP packet.
-const TCP_CSUM_OFF: usize = IPV4_HLEN + 16;
 
 /// Rewrites the packet into the reject; the caller redirects it (and keeps
 /// this subprogram's stack frame small: older verifiers sum every frame of
@@ -76,7 +71,7 @@ pub fn reject(ctx: &impl PacketContext, pkt: &Packet) -> Result<(), i64> {
     let new_len = (l3 + len - ETH_HLEN) as u32;
     let partial = pkt.tuple.proto == IPPROTO_TCP && {
         ctx.change_tail(new_len, 0)?;
-        ctx.checksum_is_partial(l3 + TCP_CSUM_OFF)?
+        ctx.checksum_is_partial(l3 + IPV4_HLEN + TCP_CSUM_OFF)?
     };
     // Stores of a fixed size, within the new length.
     if pkt.tuple.proto == IPPROTO_TCP {

@@ -14,14 +14,13 @@ use proxy_common::IPPROTO_TCP;
 
 use crate::{
     context::PacketContext,
-    l2::{self, ETH_ALEN, ETH_HLEN},
+    l2,
     maps::SCRATCH6,
     parse::Packet,
-    reject::{TCP_HLEN, fold, reset_in_place, sum},
+    reject::{fold, reset_in_place, sum},
 };
+use crate::headers::{ETH_HLEN, ETH_ALEN, ETH_P_IPV6, IPV6_HLEN, TCP_HLEN, TCP_CSUM_OFF, UDP_CSUM_OFF};
 
-const ETH_P_IPV6: u16 = 0x86dd;
-const IPV6_HLEN: usize = 40;
 const ICMP6_HLEN: usize = 8;
 /// The original header and the first 8 bytes of its payload (the ports):
 /// what a receiver needs to find the socket, well within the minimum MTU.
@@ -37,10 +36,6 @@ const L4: usize = ETH_HLEN + IPV6_HLEN;
 const ICMP6_DST_UNREACH: u8 = 1;
 const ICMP6_PORT_UNREACH: u8 = 4;
 const IPPROTO_ICMPV6: u8 = 58;
-/// Where checksum completion of the original TCP / UDP packet writes, from
-/// its L4 header.
-const TCP_CSUM_OFF: usize = 16;
-const UDP_CSUM_OFF: usize = 6;
 
 /// Rewrites the packet into the reject; the caller redirects it. Only a packet without extension headers gets here
 /// (parse6 leaves the others alone). Everything is loaded straight into the

@@ -17,6 +17,7 @@
 use proxy_common::crc32c::update_port;
 
 use crate::{context::PacketContext, parse::Packet};
+use crate::headers::TCP_SYN;
 
 /// Source port, destination port, verification tag, checksum.
 pub const COMMON_HEADER_LEN: usize = 12;
@@ -30,7 +31,7 @@ const CHUNK_INIT: u8 = 1;
 /// same for both protocols.
 #[inline(always)]
 pub fn opening_flags(first_chunk: Option<u8>) -> u8 {
-    if first_chunk == Some(CHUNK_INIT) { crate::parse::TCP_SYN } else { 0 }
+    if first_chunk == Some(CHUNK_INIT) { TCP_SYN } else { 0 }
 }
 
 /// Writes `new_port` at `port_field` (0: source, 2: destination) of the
