@@ -11,6 +11,8 @@ use aya_ebpf::{
     Global,
     bindings::BPF_ANY,
     helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
+    macros::map,
+    maps::PerCpuArray,
 };
 use proxy_common::{
     Addr, Backend, CT_CLOSING, CT_CLOSING_TIMEOUT_NS, CT_LOOPBACK, CT_MASQUERADE, CT_NODE, CT_ORIGINAL, CT_REPLY,
@@ -19,9 +21,13 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{CONFIRMING, CONNTRACK, CT_UNCONFIRMED as UNCONFIRMED, SNAT, SNAT_UNCONFIRMED, count},
-    parse::Packet,
+    maps::{CONNTRACK, CT_UNCONFIRMED as UNCONFIRMED, SNAT, SNAT_UNCONFIRMED, count},
+    packet::Packet,
 };
+
+/// `Confirming`'s room, per CPU.
+#[map]
+static CONFIRMING: PerCpuArray<Confirming> = PerCpuArray::with_max_entries(1, 0);
 
 /// CLOCK_MONOTONIC at the kernel tick's resolution (a few ms): conntrack's
 /// timeouts are seconds, and the fine clock (a TSC read) cost as much as a

@@ -11,6 +11,18 @@
 
 use aya_ebpf::{EbpfContext, bindings::__sk_buff, helpers::bpf_skb_load_bytes, programs::TcContext};
 
+/// The `T` at `off` in the packet, if the linear data holds it (direct
+/// packet access: no helper call; the packet has no alignment, and the
+/// verifier allows unaligned packet reads).
+#[inline(always)]
+pub fn read<T: Copy>(ctx: &impl PacketContext, off: usize) -> Option<T> {
+    let start = ctx.data();
+    if start + off + core::mem::size_of::<T>() > ctx.data_end() {
+        return None;
+    }
+    Some(unsafe { core::ptr::read_unaligned((start + off) as *const T) })
+}
+
 pub trait PacketContext: EbpfContext {
     /// The first byte of the packet's linear data, and one past its last
     /// (direct packet access; the verifier wants every read checked

@@ -21,10 +21,10 @@ use proxy_common::{Addr, Counter, FragmentKey, FragmentPorts};
 
 use crate::{
     context::PacketContext,
+    headers::{IPV6_HLEN, IPV6_SRC_OFF, IPV6_DST_OFF},
     maps::{FRAGMENT_KEY, FRAGMENTS, count},
-    parse::Packet,
+    packet::Packet,
 };
-use crate::headers::{IPV6_HLEN, IPV6_SRC_OFF, IPV6_DST_OFF};
 
 /// Where a packet stands in its datagram (`Packet::fragment`).
 pub const NOT_FRAGMENT: u8 = 0;

@@ -31,10 +31,9 @@ use proxy_common::{
 use crate::{
     context::PacketContext,
     conntrack,
+    headers::{ETH_P_IP, ETH_P_IPV6, IPV4_CSUM_OFF, IPV4_SRC_OFF, IPV4_DST_OFF, IPV6_HLEN, IPV6_SRC_OFF, IPV6_DST_OFF, TCP_CSUM_OFF, UDP_CSUM_OFF, ICMP_HLEN, ICMP_CSUM_OFF},
     l2,
 };
-use crate::headers::{ETH_P_IP, ETH_P_IPV6, IPV4_CSUM_OFF, IPV4_SRC_OFF, IPV4_DST_OFF, IPV6_HLEN, IPV6_SRC_OFF, IPV6_DST_OFF, TCP_CSUM_OFF, UDP_CSUM_OFF, ICMP_HLEN, ICMP_CSUM_OFF};
-
 
 /// The IP protocol (IPv6: next header) of an IP frame of the program's
 /// family; None for anything else (ARP, say, whose bytes at the protocol's
@@ -46,12 +45,12 @@ pub fn ip_protocol<const V6: bool>(ctx: &impl PacketContext) -> Option<u8> {
         if ethertype != ETH_P_IPV6 {
             return None;
         }
-        crate::parse::read::<u8>(ctx, l2::l3_off() + 6)
+        crate::context::read::<u8>(ctx, l2::l3_off() + 6)
     } else {
         if ethertype != ETH_P_IP {
             return None;
         }
-        crate::parse::read::<u8>(ctx, l2::l3_off() + 9)
+        crate::context::read::<u8>(ctx, l2::l3_off() + 9)
     }
 }
 

@@ -10,9 +10,7 @@
 
 use aya_ebpf::{Global, programs::TcContext};
 
-use crate::context::PacketContext;
-use crate::headers::{ETH_HLEN, ETH_TYPE_OFF};
-
+use crate::{context::PacketContext, headers::{ETH_HLEN, ETH_TYPE_OFF}};
 
 /// Set by the agent at load: 0 in the copy of the object for L3 devices.
 #[unsafe(no_mangle)]
@@ -36,7 +34,7 @@ pub fn has_ethernet() -> bool {
 #[inline(always)]
 pub fn ethertype(ctx: &impl PacketContext) -> Option<u16> {
     if has_ethernet() {
-        crate::parse::read::<u16>(ctx, ETH_TYPE_OFF).map(u16::from_be)
+        crate::context::read::<u16>(ctx, ETH_TYPE_OFF).map(u16::from_be)
     } else {
         Some(u16::from_be(ctx.protocol() as u16))
     }

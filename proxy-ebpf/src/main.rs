@@ -27,6 +27,8 @@ mod nat;
 #[cfg(target_arch = "bpf")]
 mod nat6;
 #[cfg(target_arch = "bpf")]
+mod packet;
+#[cfg(target_arch = "bpf")]
 mod parse;
 #[cfg(target_arch = "bpf")]
 mod parse6;
@@ -70,7 +72,7 @@ mod program {
         lb::{self, Miss},
         icmp,
         maps::{FRAGMENT_PROGRAMS, ICMP_PROGRAMS, IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, REJECT_BUDGETS, REJECT_PROGRAMS, count},
-        masquerade, nat, nat6, parse, parse6, reject, reject6, route, skb, sock, trace,
+        masquerade, nat, nat6, packet, parse, parse6, reject, reject6, route, skb, sock, trace,
     };
 
     /// Leaves the packet to whatever runs next (TCX_NEXT / TC_ACT_UNSPEC).
@@ -250,7 +252,7 @@ mod program {
     #[inline(always)]
     fn see_unconfirmed_reply<'a>(
         ctx: &TcContext,
-        pkt: &'a parse::Packet,
+        pkt: &'a packet::Packet,
         ct: &'a mut proxy_common::CtEntry,
     ) -> Option<&'a mut proxy_common::CtEntry> {
         let Some(flow) = Confirming::of_reply(&pkt.tuple, ct) else { return Some(ct) };
@@ -278,7 +280,7 @@ mod program {
     #[inline(always)]
     fn new_flow<const TRACE: bool, const V6: bool, const NODE: bool>(
         ctx: &TcContext,
-        pkt: &parse::Packet,
+        pkt: &packet::Packet,
         known: bool,
     ) -> i32 {
         let scope = if NODE { SCOPE_INTERNAL } else { lb::scope_of(&pkt.tuple.src) };
@@ -352,7 +354,7 @@ mod program {
     /// The packet, by the parser of the family the program was built for
     /// (`FRAGMENTS`: the one that follows IP fragments).
     #[inline(always)]
-    fn parse_family<const V6: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> Result<parse::Packet, Counter> {
+    fn parse_family<const V6: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> Result<packet::Packet, Counter> {
         match (V6, FRAGMENTS) {
             (false, false) => parse::parse(ctx),
             (false, true) => parse::parse_fragment(ctx),
@@ -697,7 +699,7 @@ mod program {
     /// they never reached egress, and the reply never passes ingress, so its
     /// source goes back to the frontend here (and it confirms its flow).
     #[inline(always)]
-    fn local_endpoint_reply<'a>(ctx: &TcContext, pkt: &'a parse::Packet, mut ct: &'a mut proxy_common::CtEntry) -> i32 {
+    fn local_endpoint_reply<'a>(ctx: &TcContext, pkt: &'a packet::Packet, mut ct: &'a mut proxy_common::CtEntry) -> i32 {
         if ct.flags & CT_PENDING != 0 {
             let Some(seen) = see_unconfirmed_reply(ctx, pkt, ct) else { return NOT_OURS };
             ct = seen;
@@ -715,7 +717,7 @@ mod program {
     /// A node packet's verdict at egress: translated (TC_ACT_OK), it goes on
     /// towards its backend; dropped or rejected, as it is.
     #[inline(always)]
-    fn forward<const V6: bool>(ctx: &TcContext, pkt: &parse::Packet, verdict: i32) -> i32 {
+    fn forward<const V6: bool>(ctx: &TcContext, pkt: &packet::Packet, verdict: i32) -> i32 {
         if verdict != TC_ACT_OK as i32 {
             return verdict;
         }
@@ -791,7 +793,7 @@ mod program {
     /// REJECT: a RST is never answered; anything else goes to tc_reject(6)
     /// (a trace builds the reject inline, unlimited).
     #[inline(always)]
-    fn reject_packet<const TRACE: bool, const V6: bool, const NODE: bool>(ctx: &TcContext, pkt: &parse::Packet) -> i32 {
+    fn reject_packet<const TRACE: bool, const V6: bool, const NODE: bool>(ctx: &TcContext, pkt: &packet::Packet) -> i32 {
         // A first fragment (later ones never get here, see `fragment`): a
         // reject built from it would quote part of a datagram netfilter
         // rejects whole, after reassembly.
@@ -850,7 +852,7 @@ mod program {
     }
 
     #[inline(always)]
-    fn send_reject<const TRACE: bool, const V6: bool>(ctx: &TcContext, pkt: &parse::Packet, node: bool) -> i32 {
+    fn send_reject<const TRACE: bool, const V6: bool>(ctx: &TcContext, pkt: &packet::Packet, node: bool) -> i32 {
         let rejected = if V6 { reject6::reject(ctx, pkt) } else { reject::reject(ctx, pkt) };
         match rejected {
             Ok(()) => {

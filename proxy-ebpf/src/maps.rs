@@ -1,5 +1,6 @@
 //! The maps, pinned by name under the agent's `--bpffs-root` so they outlive
-//! the agent and a restart adopts them.
+//! the agent and a restart adopts them. (The per-CPU scratch maps a module
+//! builds in live with it: `conntrack`, `reject`, `reject6`.)
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
@@ -41,10 +42,6 @@ pub static CONNTRACK: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(MAX_CONNTR
 #[map]
 pub static CT_UNCONFIRMED: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(MAX_CT_UNCONFIRMED, 0);
 
-/// `conntrack::Confirming`'s room, per CPU.
-#[map]
-pub static CONFIRMING: PerCpuArray<crate::conntrack::Confirming> = PerCpuArray::with_max_entries(1, 0);
-
 /// Masqueraded flows: their tuple after DNAT -> the source they leave with.
 /// Confirmed flows' here, the others' in SNAT_UNCONFIRMED.
 #[map]
@@ -73,17 +70,9 @@ pub static SOURCE_RANGES: LpmTrie<SourceRangeData, u8> = LpmTrie::pinned(MAX_SOU
 #[map]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityEntry> = LruHashMap::pinned(MAX_AFFINITY, 0);
 
-/// Room to build a REJECT's ICMP packet off the stack; not pinned, per CPU.
-#[map]
-pub static SCRATCH: PerCpuArray<[u8; crate::reject::OUT_LEN]> = PerCpuArray::with_max_entries(1, 0);
-
 /// A FIB lookup's parameters, off the stack (see route.rs); per CPU.
 #[map]
 pub static FIB_SCRATCH: PerCpuArray<aya_ebpf::bindings::bpf_fib_lookup> = PerCpuArray::with_max_entries(1, 0);
-
-/// The same for IPv6 rejects, whose frames are larger.
-#[map]
-pub static SCRATCH6: PerCpuArray<[u8; crate::reject6::OUT_LEN]> = PerCpuArray::with_max_entries(1, 0);
 
 /// Node sockets translated at connect()/sendmsg() -> the frontend dialled.
 #[map]

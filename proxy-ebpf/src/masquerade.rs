@@ -19,7 +19,7 @@ use proxy_common::{
 use crate::{
     conntrack::{self, SnatTuple},
     maps::{NODE_SNAT, SNAT_ADDRS, count},
-    parse::Packet,
+    packet::Packet,
 };
 
 /// Random ports tried when the client's own one cannot be kept.

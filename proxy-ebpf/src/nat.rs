@@ -9,7 +9,7 @@
 use aya_ebpf::bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR};
 use proxy_common::{Addr, IPPROTO_SCTP, IPPROTO_UDP, csum};
 
-use crate::{context::PacketContext, parse::Packet, sctp};
+use crate::{context::PacketContext, packet::Packet, sctp};
 use crate::headers::{IPV4_CSUM_OFF, IPV4_SRC_OFF, IPV4_DST_OFF};
 
 
@@ -99,7 +99,7 @@ fn rewrite<const L4: bool>(
 /// (`parse` pulled the headers in, so it does).
 #[inline(always)]
 fn read<T: Copy>(ctx: &impl PacketContext, off: usize) -> Result<T, i64> {
-    crate::parse::read(ctx, off).ok_or(-1)
+    crate::context::read(ctx, off).ok_or(-1)
 }
 
 #[inline(always)]

@@ -7,8 +7,7 @@
 use aya_ebpf::bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR};
 use proxy_common::{Addr, IPPROTO_SCTP, IPPROTO_UDP};
 
-use crate::{context::PacketContext, parse::Packet, sctp};
-use crate::headers::{IPV6_SRC_OFF, IPV6_DST_OFF};
+use crate::{context::PacketContext, headers::{IPV6_SRC_OFF, IPV6_DST_OFF}, packet::Packet, sctp};
 
 /// Client -> frontend becomes client -> backend. `L4`: see nat::rewrite.
 #[inline(always)]

@@ -6,12 +6,11 @@
 use proxy_common::{Addr, Counter, CtKey, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
-    context::PacketContext,
+    context::{PacketContext, read},
+    headers::{ETH_P_IPV6, IPV6_HLEN, IPV6_SRC_OFF, IPV6_DST_OFF, TCP_HLEN, TCP_FLAGS_OFF, TCP_CSUM_OFF, UDP_HLEN, UDP_CSUM_OFF},
     l2,
-    parse::{Packet, read},
+    packet::Packet,
 };
-use crate::headers::{ETH_P_IPV6, IPV6_HLEN, IPV6_SRC_OFF, IPV6_DST_OFF, TCP_HLEN, TCP_FLAGS_OFF, TCP_CSUM_OFF, UDP_HLEN, UDP_CSUM_OFF};
-
 
 /// Next-header values that announce an extension header (RFC 8200 4.1 and
 /// the IANA list), the Fragment header apart.

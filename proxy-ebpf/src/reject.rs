@@ -12,15 +12,19 @@
 //! for UDP the offset falls on the ICMP header's unused word, left zero, which
 //! keeps a valid ICMP checksum valid.
 
+use aya_ebpf::{macros::map, maps::PerCpuArray};
 use proxy_common::IPPROTO_TCP;
 
 use crate::{
     context::PacketContext,
+    headers::{ETH_HLEN, ETH_ALEN, ETH_P_IP, IPV4_HLEN, TCP_HLEN, TCP_CSUM_OFF, TCP_FIN, TCP_SYN, TCP_RST, TCP_ACK, ICMP_HLEN},
     l2,
-    maps::SCRATCH,
-    parse::Packet,
+    packet::Packet,
 };
-use crate::headers::{ETH_HLEN, ETH_ALEN, ETH_P_IP, IPV4_HLEN, TCP_HLEN, TCP_CSUM_OFF, TCP_FIN, TCP_SYN, TCP_RST, TCP_ACK, ICMP_HLEN};
+
+/// Room to build a REJECT's frame off the stack; not pinned, per CPU.
+#[map]
+static SCRATCH: PerCpuArray<[u8; OUT_LEN]> = PerCpuArray::with_max_entries(1, 0);
 
 /// RFC 792: the original IP header and the first 8 bytes of its payload.
 const QUOTE_LEN: usize = IPV4_HLEN + 8;

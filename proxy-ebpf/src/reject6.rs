@@ -10,16 +10,20 @@
 //! receivers ignore: it gets the seed, so completion makes the whole sum
 //! right (ICMPv6, unlike ICMP, covers a pseudo-header).
 
+use aya_ebpf::{macros::map, maps::PerCpuArray};
 use proxy_common::IPPROTO_TCP;
 
 use crate::{
     context::PacketContext,
+    headers::{ETH_HLEN, ETH_ALEN, ETH_P_IPV6, IPV6_HLEN, TCP_HLEN, TCP_CSUM_OFF, UDP_CSUM_OFF},
     l2,
-    maps::SCRATCH6,
-    parse::Packet,
+    packet::Packet,
     reject::{fold, reset_in_place, sum},
 };
-use crate::headers::{ETH_HLEN, ETH_ALEN, ETH_P_IPV6, IPV6_HLEN, TCP_HLEN, TCP_CSUM_OFF, UDP_CSUM_OFF};
+
+/// Room to build an IPv6 REJECT's frame off the stack; not pinned, per CPU.
+#[map]
+static SCRATCH6: PerCpuArray<[u8; OUT_LEN]> = PerCpuArray::with_max_entries(1, 0);
 
 const ICMP6_HLEN: usize = 8;
 /// The original header and the first 8 bytes of its payload (the ports):

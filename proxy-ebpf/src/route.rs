@@ -17,11 +17,10 @@ use aya_ebpf::{
 use proxy_common::Counter;
 
 use crate::{
+    headers::{ETH_ALEN, IPV4_DST_OFF, IPV4_SRC_OFF, IPV6_DST_OFF, IPV6_SRC_OFF},
+    l2,
     maps::FIB_SCRATCH,
-        l2,
-    parse,
 };
-use crate::headers::{ETH_ALEN, IPV4_SRC_OFF, IPV4_DST_OFF, IPV6_SRC_OFF, IPV6_DST_OFF};
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
@@ -38,12 +37,12 @@ pub fn to_destination<const V6: bool>(ctx: &TcContext, l3_off: usize, proto: u8)
     *fib = unsafe { core::mem::zeroed() };
     if V6 {
         fib.family = AF_INET6;
-        fib.__bindgen_anon_3.ipv6_src = parse::read(ctx, l3_off + IPV6_SRC_OFF).ok_or(Counter::Malformed)?;
-        fib.__bindgen_anon_4.ipv6_dst = parse::read(ctx, l3_off + IPV6_DST_OFF).ok_or(Counter::Malformed)?;
+        fib.__bindgen_anon_3.ipv6_src = crate::context::read(ctx, l3_off + IPV6_SRC_OFF).ok_or(Counter::Malformed)?;
+        fib.__bindgen_anon_4.ipv6_dst = crate::context::read(ctx, l3_off + IPV6_DST_OFF).ok_or(Counter::Malformed)?;
     } else {
         fib.family = AF_INET;
-        fib.__bindgen_anon_3.ipv4_src = parse::read(ctx, l3_off + IPV4_SRC_OFF).ok_or(Counter::Malformed)?;
-        fib.__bindgen_anon_4.ipv4_dst = parse::read(ctx, l3_off + IPV4_DST_OFF).ok_or(Counter::Malformed)?;
+        fib.__bindgen_anon_3.ipv4_src = crate::context::read(ctx, l3_off + IPV4_SRC_OFF).ok_or(Counter::Malformed)?;
+        fib.__bindgen_anon_4.ipv4_dst = crate::context::read(ctx, l3_off + IPV4_DST_OFF).ok_or(Counter::Malformed)?;
     }
     fib.l4_protocol = proto;
     fib.ifindex = crate::skb::ifindex(ctx);

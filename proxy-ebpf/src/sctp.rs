@@ -16,8 +16,7 @@
 
 use proxy_common::crc32c::update_port;
 
-use crate::{context::PacketContext, parse::Packet};
-use crate::headers::TCP_SYN;
+use crate::{context::PacketContext, headers::TCP_SYN, packet::Packet};
 
 /// Source port, destination port, verification tag, checksum.
 pub const COMMON_HEADER_LEN: usize = 12;
