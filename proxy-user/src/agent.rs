@@ -186,7 +186,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 Outcome::Done => {}
             }
             if outcome != Outcome::Failed {
-                health_checks.sync(&healthcheck::wanted(snap, &syncer.config), healthcheck::listen_addresses(&syncer.config)).await;
+                health_checks.sync(&syncer.model.desired().health_checks, healthcheck::listen_addresses(&syncer.config)).await;
             }
         }
     }

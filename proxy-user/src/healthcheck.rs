@@ -10,7 +10,7 @@
 //! exposure, and an attack on them leaves /healthz its own budget.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::{Arc, RwLock},
 };
@@ -21,69 +21,19 @@ use axum::{
     http::{HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
 };
-use proxy_common::{BACKEND_LOCAL, BACKEND_READY};
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use crate::{
-    endpoint_ips,
     health::Health,
     http_server::{self, ConnectionLimit},
-    model::{self, ModelConfig, SERVICE_NAME_LABEL},
-    service_cidrs,
-    source::Snapshot,
+    model::{HealthCheck, ModelConfig},
 };
 
-/// What the server on one healthCheckNodePort answers for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Check {
-    pub namespace: String,
-    pub name: String,
-    /// This node's ready endpoints of the Service, counted by address (an
-    /// endpoint serving several ports counts once; one the model refuses,
-    /// serving nothing, not at all).
-    pub local_endpoints: usize,
-}
-
-/// The health checks the snapshot asks of this node, by port. A port claimed
-/// by two Services (the API forbids it) goes to the first, by namespace/name.
-pub fn wanted(snap: &Snapshot, config: &ModelConfig) -> BTreeMap<u16, Check> {
-    let mut out = BTreeMap::new();
-    let (cidrs, _) = service_cidrs::effective(&snap.service_cidrs, &config.service_cidrs);
-    let mut services: Vec<_> = snap.services.iter().collect();
-    services.sort_by(|a, b| {
-        (a.metadata.namespace.as_deref(), a.metadata.name.as_deref()).cmp(&(b.metadata.namespace.as_deref(), b.metadata.name.as_deref()))
-    });
-    for svc in services {
-        let Some(spec) = &svc.spec else { continue };
-        if spec.external_traffic_policy.as_deref() != Some("Local") {
-            continue;
-        }
-        let Some(port) = spec.health_check_node_port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0) else {
-            continue;
-        };
-        let namespace = svc.metadata.namespace.clone().unwrap_or_else(|| "default".into());
-        let name = svc.metadata.name.clone().unwrap_or_default();
-        let mut local = BTreeSet::new();
-        for slice in &snap.slices {
-            let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
-            let owner = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL));
-            if ns != namespace || owner != Some(&name) {
-                continue;
-            }
-            for ep in &slice.endpoints {
-                // Ready only: a node with nothing but terminating endpoints must fail the check.
-                let flags = model::endpoint_flags(ep, config);
-                if flags & BACKEND_READY != 0 && flags & BACKEND_LOCAL != 0 {
-                    let addr = ep.addresses.first().and_then(|a| a.parse::<IpAddr>().ok());
-                    local.extend(addr.filter(|ip| endpoint_ips::refused(*ip, &cidrs).is_none()));
-                }
-            }
-        }
-        out.entry(port).or_insert(Check { namespace, name, local_endpoints: local.len() });
-    }
-    out
-}
+/// What the server on one healthCheckNodePort answers for: the model
+/// decides which checks this node answers and counts their local endpoints
+/// (`DesiredState::health_checks`).
+pub type Check = HealthCheck;
 
 /// Where the servers listen: the node addresses `--node-port-addresses`
 /// selects, or (flag empty) the unspecified IPv6 address, one dual-stack
@@ -236,8 +186,10 @@ async fn answer(State((check, health)): State<(Arc<RwLock<Check>>, Health)>) -> 
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+    use crate::source::Snapshot;
 
     fn services(port: u16) -> String {
         format!(
@@ -273,6 +225,11 @@ endpoints:
 - {{addresses: [10.244.0.1], nodeName: node-a}}
 "#
         )
+    }
+
+    /// The checks the model asks of the node.
+    fn wanted(snap: &Snapshot, config: &ModelConfig) -> BTreeMap<u16, Check> {
+        crate::model::build(snap, config).0.health_checks
     }
 
     fn cfg(node: &str) -> ModelConfig {

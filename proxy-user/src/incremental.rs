@@ -133,6 +133,8 @@ pub struct Model {
     contested: BTreeMap<FrontendKey, BTreeSet<String>>,
     cluster_ip_claims: HashMap<IpAddr, u32>,
     backend_claims: HashMap<BackendTuple, FlagCounts>,
+    /// The Services (keys into `parts`) with a health check on each port.
+    health_check_claims: BTreeMap<u16, BTreeSet<String>>,
 }
 
 fn joined(key: ServiceKey) -> String {
@@ -355,6 +357,14 @@ impl Model {
                 d.frontends.insert(*fk, fe.clone());
             }
         }
+        for (port, check) in &part.state.health_checks {
+            let claimants = self.health_check_claims.entry(*port).or_default();
+            claimants.insert(own.to_string());
+            // The first Service by namespace/name holds the port.
+            if claimants.first().is_some_and(|first| first == own) {
+                d.health_checks.insert(*port, check.clone());
+            }
+        }
     }
 
     /// Takes a Service's share away (`own` is its key); it must no longer be in `parts`.
@@ -417,6 +427,19 @@ impl Model {
                 self.contested.remove(fk);
             }
         }
+        for port in part.state.health_checks.keys() {
+            let claimants = self.health_check_claims.get_mut(port).expect("claimed when asserted");
+            claimants.remove(own);
+            match claimants.first() {
+                Some(next) => {
+                    d.health_checks.insert(*port, self.parts[next].state.health_checks[port].clone());
+                }
+                None => {
+                    self.health_check_claims.remove(port);
+                    d.health_checks.remove(port);
+                }
+            }
+        }
     }
 }
 
@@ -451,6 +474,8 @@ mod tests {
             "externalIPs: [192.168.0.2]",
         ][variant % 5];
         let policy = ["Cluster", "Local"][variant / 5 % 2];
+        // Two Services may claim one health check port (the API forbids it; the first holds it).
+        let health_check = if policy == "Local" { format!("healthCheckNodePort: {}", 32000 + i % 3) } else { String::new() };
         let lb = variant / 10 % 2 == 1;
         let ranges = if lb { "loadBalancerSourceRanges: [10.1.0.0/16]" } else { "" };
         let ty = if lb { "LoadBalancer" } else { "ClusterIP" };
@@ -461,7 +486,7 @@ mod tests {
         let labels = if variant / 360 % 4 == 3 { "labels: {service.kubernetes.io/service-proxy-name: other}, " } else { "" };
         format!(
             "apiVersion: v1\nkind: Service\nmetadata: {{name: svc{i}, namespace: {ns}, {created}{labels}}}\nspec:\n  type: {ty}\n  \
-             clusterIP: 10.96.0.{}\n  externalTrafficPolicy: {policy}\n  {ext}\n  {ranges}\n  ports: [{{name: p, port: {port}, nodePort: {}}}]\n\
+             clusterIP: 10.96.0.{}\n  externalTrafficPolicy: {policy}\n  {health_check}\n  {ext}\n  {ranges}\n  ports: [{{name: p, port: {port}, nodePort: {}}}]\n\
              status: {{loadBalancer: {{ingress: [{{ip: 1.1.1.{}{ip_mode}}}]}}}}\n",
             i % 5 + 1,
             30000 + i,

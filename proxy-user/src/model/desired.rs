@@ -74,6 +74,21 @@ pub struct DesiredState {
     pub backends: BTreeMap<BackendTuple, u8>,
     /// Where an address no Service owns is dropped (`service_cidrs::effective`).
     pub service_cidrs: BTreeSet<IpNet>,
+    /// The healthCheckNodePorts this node answers (externalTrafficPolicy
+    /// Local), by port; a port two Services claim (the API forbids it) goes
+    /// to the first by namespace/name.
+    pub health_checks: BTreeMap<u16, HealthCheck>,
+}
+
+/// What the server on one healthCheckNodePort answers for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub namespace: String,
+    pub name: String,
+    /// This node's ready endpoints of the Service, counted by address (an
+    /// endpoint serving several ports counts once; one the model refuses,
+    /// serving nothing, not at all).
+    pub local_endpoints: usize,
 }
 
 /// A backend's identity: address, port, IP protocol.

@@ -10,15 +10,16 @@ use k8s_openapi::api::{
     discovery::v1::EndpointSlice,
 };
 use proxy_common::{
-    Addr, FrontendKey, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, POLICY_CLUSTER,
+    Addr, BACKEND_LOCAL, BACKEND_READY, FrontendKey, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, POLICY_CLUSTER,
     POLICY_LOCAL, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE, SVC_SOURCE_RANGES,
 };
 
 use super::{
     BackendSetKey, DesiredFrontend, ServiceKey, DesiredState, ModelConfig, ObjectError, ServicePortName, SkipReason,
-    endpoints::{categorize, protocol_of, select_endpoints},
+    HealthCheck,
+    endpoints::{categorize, endpoint_flags, protocol_of, select_endpoints},
 };
-use crate::precedence;
+use crate::{endpoint_ips, precedence};
 
 /// kube-proxy's default for sessionAffinityConfig.clientIP.timeoutSeconds.
 pub(super) const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
@@ -82,6 +83,9 @@ fn build_service(svc: &Service, slices: &[&EndpointSlice], config: &ModelConfig,
     };
     if spec.type_.as_deref() == Some("ExternalName") {
         return;
+    }
+    if let Some((port, check)) = health_check(spec, slices, config, ctx) {
+        state.health_checks.insert(port, check);
     }
     let ips: Vec<&String> = match (&spec.cluster_ips, &spec.cluster_ip) {
         (Some(ips), _) if !ips.is_empty() => ips.iter().collect(),
@@ -301,4 +305,24 @@ fn admit_lb_ips_if_node_admitted(mut ranges: Vec<IpNet>, lb_ips: &[IpAddr], node
         ranges.extend(lb_ips.iter().map(|ip| IpNet::from(*ip)));
     }
     ranges
+}
+
+/// The health check an externalTrafficPolicy Local Service with a
+/// healthCheckNodePort asks of this node: its ready endpoints here, of
+/// either family, by address.
+fn health_check(spec: &ServiceSpec, slices: &[&EndpointSlice], config: &ModelConfig, ctx: &ServiceCtx) -> Option<(u16, HealthCheck)> {
+    if spec.external_traffic_policy.as_deref() != Some("Local") {
+        return None;
+    }
+    let port = spec.health_check_node_port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0)?;
+    let mut local = BTreeSet::new();
+    for ep in slices.iter().flat_map(|s| &s.endpoints) {
+        // Ready only: a node with nothing but terminating endpoints must fail the check.
+        let flags = endpoint_flags(ep, config);
+        if flags & BACKEND_READY != 0 && flags & BACKEND_LOCAL != 0 {
+            let addr = ep.addresses.first().and_then(|a| a.parse::<IpAddr>().ok());
+            local.extend(addr.filter(|ip| endpoint_ips::refused(*ip, ctx.service_cidrs).is_none()));
+        }
+    }
+    Some((port, HealthCheck { namespace: ctx.ns.clone(), name: ctx.name.clone(), local_endpoints: local.len() }))
 }

@@ -27,7 +27,10 @@ use ipnet::IpNet;
 use proxy_common::FrontendKey;
 
 pub use self::{
-    desired::{BackendSetKey, BackendTuple, DesiredBackend, DesiredFrontend, DesiredState, ServicePortName, backend_states},
+    desired::{
+        BackendSetKey, BackendTuple, DesiredBackend, DesiredFrontend, DesiredState, HealthCheck, ServicePortName,
+        backend_states,
+    },
     endpoints::endpoint_flags,
     group::{
         Grouped, SERVICE_NAME_LABEL, ServiceKey, duplicate_service, group, orphan_slice, service_key, slice_owner,
@@ -103,6 +106,10 @@ pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<Ob
         state.backend_sets.extend(part.backend_sets);
         state.source_ranges.extend(part.source_ranges);
         state.cluster_ips.extend(part.cluster_ips);
+        // Services come in namespace/name order: the first claim holds a port.
+        for (port, check) in part.health_checks {
+            state.health_checks.entry(port).or_insert(check);
+        }
         for (fk, fe) in part.frontends {
             let claim = Claim::new(fe.kind, svc, *key);
             match holders.entry(fk) {
