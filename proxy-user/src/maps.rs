@@ -35,14 +35,88 @@ pub const TC_TRACE: &str = "tc_trace";
 
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
-/// Every map the agent pins, by name.
-pub const PINNED_MAPS: [&str; 24] = [
-    MAP_FRONTENDS, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_CONNTRACK, MAP_SERVICE_NAMES, MAP_COUNTERS, MAP_SNAT,
-    MAP_SNAT_ADDRS, MAP_CLUSTER_CIDRS, MAP_SERVICE_CIDRS, MAP_SOURCE_RANGES, MAP_AFFINITY, MAP_SOCK_REVNAT,
-    MAP_BACKENDS_EPOCH, MAP_IPV6_PROGRAMS, MAP_NODE_SNAT, MAP_HOST_NETNS, MAP_NODE_PROGRAMS,
-    MAP_NODE6_PROGRAMS, MAP_REJECT_PROGRAMS, MAP_CT_UNCONFIRMED, MAP_SNAT_UNCONFIRMED, MAP_ICMP_PROGRAMS,
-    MAP_FRAGMENT_PROGRAMS,
+/// A pinned map, and how its entries are counted.
+pub struct PinnedMap {
+    pub name: &'static str,
+    pub fill: Fill,
+}
+
+#[derive(Clone, Copy)]
+pub enum Fill {
+    /// A hash, LRU or LPM map, which fills: counted key by key (a scrape of
+    /// a full conntrack costs milliseconds, never the datapath).
+    Counted(fn(&Path, &str) -> Result<u64>),
+    /// An array (or a program array the loader fills): every slot exists
+    /// from the start, and it never fills.
+    Slots(u32),
+}
+
+const fn counted_hash<K: aya::Pod, V: aya::Pod>(name: &'static str) -> PinnedMap {
+    PinnedMap { name, fill: Fill::Counted(hash_entries::<K, V>) }
+}
+
+const fn counted_trie<K: aya::Pod, V: aya::Pod>(name: &'static str) -> PinnedMap {
+    PinnedMap { name, fill: Fill::Counted(trie_entries::<K, V>) }
+}
+
+const fn slots(name: &'static str, slots: u32) -> PinnedMap {
+    PinnedMap { name, fill: Fill::Slots(slots) }
+}
+
+/// Every map the agent pins: the one list that `cleanup`, the metrics and
+/// the tests go by.
+pub const PINNED: [PinnedMap; 24] = [
+    counted_hash::<FrontendKey, ServiceEntry>(MAP_FRONTENDS),
+    counted_hash::<SlotKey, u32>(MAP_BACKEND_SLOTS),
+    counted_hash::<u32, Backend>(MAP_BACKENDS),
+    counted_hash::<CtKey, CtEntry>(MAP_CONNTRACK),
+    counted_hash::<u32, ServiceName>(MAP_SERVICE_NAMES),
+    slots(MAP_COUNTERS, MAX_COUNTERS),
+    counted_hash::<CtKey, SnatEntry>(MAP_SNAT),
+    counted_hash::<u32, Addr>(MAP_SNAT_ADDRS),
+    counted_trie::<CidrData, u8>(MAP_CLUSTER_CIDRS),
+    counted_trie::<CidrData, u8>(MAP_SERVICE_CIDRS),
+    counted_trie::<SourceRangeData, u8>(MAP_SOURCE_RANGES),
+    counted_hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY),
+    counted_hash::<SockRevKey, FrontendKey>(MAP_SOCK_REVNAT),
+    slots(MAP_BACKENDS_EPOCH, 1),
+    slots(MAP_IPV6_PROGRAMS, IPV6_PROG_COUNT),
+    slots(MAP_NODE_SNAT, 1),
+    slots(MAP_HOST_NETNS, 2),
+    slots(MAP_NODE_PROGRAMS, NODE_PROG_COUNT),
+    slots(MAP_NODE6_PROGRAMS, NODE6_PROG_COUNT),
+    slots(MAP_REJECT_PROGRAMS, REJECT_PROG_COUNT),
+    counted_hash::<CtKey, CtEntry>(MAP_CT_UNCONFIRMED),
+    counted_hash::<CtKey, SnatEntry>(MAP_SNAT_UNCONFIRMED),
+    slots(MAP_ICMP_PROGRAMS, ICMP_PROG_COUNT),
+    slots(MAP_FRAGMENT_PROGRAMS, FRAGMENT_PROG_COUNT),
 ];
+
+/// Every map the agent pins, by name.
+pub const PINNED_MAPS: [&str; PINNED.len()] = {
+    let mut names = [""; PINNED.len()];
+    let mut i = 0;
+    while i < PINNED.len() {
+        names[i] = PINNED[i].name;
+        i += 1;
+    }
+    names
+};
+
+/// A pinned map, opened (without holding it).
+pub fn open_pinned_map(root: &Path, name: &str) -> Result<aya::maps::Map> {
+    Ok(aya::maps::Map::from_map_data(MapData::from_pin(root.join(name))?)?)
+}
+
+fn hash_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64> {
+    let map: HashMap<MapData, K, V> = open_pinned_map(root, name)?.try_into()?;
+    Ok(map.keys().filter(|k| k.is_ok()).count() as u64)
+}
+
+fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64> {
+    let map: LpmTrie<MapData, K, V> = open_pinned_map(root, name)?.try_into()?;
+    Ok(map.keys().filter(|k| k.is_ok()).count() as u64)
+}
 
 /// The programs each TC program hands packets to by tail call, with the
 /// program array and slot they go in: the IPv4 programs hand IPv6 frames to
@@ -589,6 +663,20 @@ pub fn links_dir(root: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The registry is the object's own list: every map the programs pin
+    /// by name is in it, and nothing else.
+    #[test]
+    fn the_registry_lists_every_map_the_object_pins() {
+        let object = aya_obj::Object::parse(BPF_OBJECT).expect("the BPF object parses");
+        let pinned: std::collections::BTreeSet<&str> = object
+            .maps
+            .iter()
+            .filter(|(_, map)| map.pinning() == aya_obj::maps::PinningType::ByName)
+            .map(|(name, _)| name.as_str())
+            .collect();
+        assert_eq!(pinned, PINNED_MAPS.into_iter().collect());
+    }
 
     fn refused(errno: i32) -> Result<(), MapError> {
         Err(MapError::SyscallError(aya::sys::SyscallError {

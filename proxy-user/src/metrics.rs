@@ -29,6 +29,7 @@ use proxy_common::Counter as DpCounter;
 
 use crate::{
     http_server::{self, ConnectionLimit},
+    maps::Fill,
     model::ObjectError,
     source::Snapshot,
 };
@@ -211,82 +212,33 @@ struct Dataplane {
     root: PathBuf,
 }
 
-fn open_pinned(root: &Path, name: &str) -> Result<aya::maps::Map> {
-    Ok(aya::maps::Map::from_map_data(aya::maps::MapData::from_pin(root.join(name))?)?)
+/// What the metrics show of a pinned map.
+pub struct MapFill {
+    pub map: &'static str,
+    pub entries: u64,
+    pub capacity: u64,
+    /// Hash, LRU and LPM maps fill; arrays have every slot from the start.
+    pub fills: bool,
 }
 
-fn hash_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64> {
-    let map: aya::maps::HashMap<aya::maps::MapData, K, V> = open_pinned(root, name)?.try_into()?;
-    Ok(map.keys().filter(|k| k.is_ok()).count() as u64)
-}
-
-fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64> {
-    let map: aya::maps::LpmTrie<aya::maps::MapData, K, V> = open_pinned(root, name)?.try_into()?;
-    Ok(map.keys().filter(|k| k.is_ok()).count() as u64)
-}
-
-type EntryCounter = fn(&Path, &str) -> Result<u64>;
-
-/// How to count the entries of each pinned map: by its key and value types.
-const ENTRY_COUNTERS: [(&str, EntryCounter); 24] = {
-    use proxy_common::*;
-    [
-        (MAP_FRONTENDS, hash_entries::<FrontendKey, ServiceEntry>),
-        (MAP_BACKEND_SLOTS, hash_entries::<SlotKey, u32>),
-        (MAP_BACKENDS, hash_entries::<u32, Backend>),
-        (MAP_CONNTRACK, hash_entries::<CtKey, CtEntry>),
-        (MAP_CT_UNCONFIRMED, hash_entries::<CtKey, CtEntry>),
-        (MAP_SNAT_UNCONFIRMED, hash_entries::<CtKey, SnatEntry>),
-        (MAP_SERVICE_NAMES, hash_entries::<u32, ServiceName>),
-        (MAP_SNAT, hash_entries::<CtKey, SnatEntry>),
-        (MAP_SNAT_ADDRS, hash_entries::<u32, Addr>),
-        (MAP_AFFINITY, hash_entries::<AffinityKey, AffinityEntry>),
-        (MAP_SOCK_REVNAT, hash_entries::<SockRevKey, FrontendKey>),
-        (MAP_CLUSTER_CIDRS, trie_entries::<CidrData, u8>),
-        (MAP_SERVICE_CIDRS, trie_entries::<CidrData, u8>),
-        (MAP_SOURCE_RANGES, trie_entries::<SourceRangeData, u8>),
-        // An array: every slot exists.
-        (MAP_COUNTERS, |_, _| Ok(u64::from(MAX_COUNTERS))),
-        (MAP_BACKENDS_EPOCH, |_, _| Ok(1)),
-        (MAP_NODE_SNAT, |_, _| Ok(1)),
-        (MAP_HOST_NETNS, |_, _| Ok(2)),
-        // The loader fills every slot with an IPv6 program.
-        (MAP_IPV6_PROGRAMS, |_, _| Ok(u64::from(IPV6_PROG_COUNT))),
-        (MAP_NODE_PROGRAMS, |_, _| Ok(u64::from(NODE_PROG_COUNT))),
-        (MAP_NODE6_PROGRAMS, |_, _| Ok(u64::from(NODE6_PROG_COUNT))),
-        (MAP_REJECT_PROGRAMS, |_, _| Ok(u64::from(REJECT_PROG_COUNT))),
-        (MAP_ICMP_PROGRAMS, |_, _| Ok(u64::from(ICMP_PROG_COUNT))),
-        (MAP_FRAGMENT_PROGRAMS, |_, _| Ok(u64::from(FRAGMENT_PROG_COUNT))),
-    ]
-};
-
-/// The pinned maps that are arrays: full from the start, never filling.
-pub const ARRAY_MAPS: [&str; 10] = {
-    use proxy_common::*;
-    [
-        MAP_COUNTERS, MAP_BACKENDS_EPOCH, MAP_NODE_SNAT, MAP_HOST_NETNS, MAP_IPV6_PROGRAMS, MAP_NODE_PROGRAMS,
-        MAP_NODE6_PROGRAMS, MAP_REJECT_PROGRAMS, MAP_ICMP_PROGRAMS, MAP_FRAGMENT_PROGRAMS,
-    ]
-};
-
-/// (map, entries, capacity) for every pinned map under `root`; entries are
-/// `None` for a map this build cannot count. Hash maps are counted key by
-/// key: a scrape of a full conntrack costs milliseconds, never the datapath.
-pub fn map_fill(root: &Path) -> Result<Vec<(&'static str, Option<u64>, u64)>> {
-    crate::maps::PINNED_MAPS
+/// Entries and capacity of every pinned map under `root`.
+pub fn map_fill(root: &Path) -> Result<Vec<MapFill>> {
+    crate::maps::PINNED
         .iter()
-        .map(|name| {
-            let info = aya::maps::MapInfo::from_pin(root.join(name))?;
-            let counter = ENTRY_COUNTERS.iter().find(|(n, _)| n == name).map(|(_, c)| c);
-            let entries = counter.map(|count| count(root, name)).transpose()?;
-            Ok((*name, entries, u64::from(info.max_entries())))
+        .map(|m| {
+            let info = aya::maps::MapInfo::from_pin(root.join(m.name))?;
+            let (entries, fills) = match m.fill {
+                Fill::Counted(count) => (count(root, m.name)?, true),
+                Fill::Slots(n) => (u64::from(n), false),
+            };
+            Ok(MapFill { map: m.name, entries, capacity: u64::from(info.max_entries()), fills })
         })
         .collect()
 }
 
 /// Per-CPU counters summed, indexed like `Counter::ALL`.
 fn read_counters(root: &Path) -> Result<Vec<u64>> {
-    let map: aya::maps::PerCpuArray<aya::maps::MapData, u64> = open_pinned(root, proxy_common::MAP_COUNTERS)?.try_into()?;
+    let map: aya::maps::PerCpuArray<aya::maps::MapData, u64> = crate::maps::open_pinned_map(root, proxy_common::MAP_COUNTERS)?.try_into()?;
     (0..DpCounter::ALL.len() as u32).map(|i| Ok(map.get(&i, 0)?.iter().sum())).collect()
 }
 
@@ -303,14 +255,12 @@ impl Collector for Dataplane {
             }
         };
         let mut enc = encoder.encode_descriptor("ebpf_proxy_map_entries", "Entries in each pinned BPF map", None, MetricType::Gauge)?;
-        for (map, entries, _) in &fill {
-            if let Some(n) = entries {
-                ConstGauge::new(*n as i64).encode(enc.encode_family(&[("map", *map)])?)?;
-            }
+        for m in &fill {
+            ConstGauge::new(m.entries as i64).encode(enc.encode_family(&[("map", m.map)])?)?;
         }
         let mut enc = encoder.encode_descriptor("ebpf_proxy_map_capacity", "Maximum entries of each pinned BPF map", None, MetricType::Gauge)?;
-        for (map, _, cap) in &fill {
-            ConstGauge::new(*cap as i64).encode(enc.encode_family(&[("map", *map)])?)?;
+        for m in &fill {
+            ConstGauge::new(m.capacity as i64).encode(enc.encode_family(&[("map", m.map)])?)?;
         }
         // Arrays have every slot from the start: only maps that fill have a pressure.
         let mut enc = encoder.encode_descriptor(
@@ -319,10 +269,8 @@ impl Collector for Dataplane {
             None,
             MetricType::Gauge,
         )?;
-        for (map, entries, cap) in &fill {
-            if let (Some(n), true) = (entries, *cap > 0 && !ARRAY_MAPS.contains(map)) {
-                ConstGauge::new(*n as f64 / *cap as f64).encode(enc.encode_family(&[("map", *map)])?)?;
-            }
+        for m in fill.iter().filter(|m| m.fills && m.capacity > 0) {
+            ConstGauge::new(m.entries as f64 / m.capacity as f64).encode(enc.encode_family(&[("map", m.map)])?)?;
         }
         let counters = match read_counters(&self.root) {
             Ok(c) => c,
@@ -370,10 +318,10 @@ fn encode_fragments(encoder: &mut DescriptorEncoder, counters: &[u64]) -> std::f
 /// there, was removed by the datapath (`ct_released`), or was evicted.
 fn encode_conntrack(
     encoder: &mut DescriptorEncoder,
-    fill: &[(&'static str, Option<u64>, u64)],
+    fill: &[MapFill],
     counters: &[u64],
 ) -> std::fmt::Result {
-    let entries = |map: &str| fill.iter().find(|(m, ..)| *m == map).and_then(|(_, n, _)| *n);
+    let entries = |map: &str| fill.iter().find(|m| m.map == map).map(|m| m.entries);
     let (Some(confirmed), Some(unconfirmed)) =
         (entries(proxy_common::MAP_CONNTRACK), entries(proxy_common::MAP_CT_UNCONFIRMED))
     else {
@@ -510,14 +458,6 @@ spec: {cidrs: [10.96.0.0/16, 10.96.0.0]}
         assert!(tt.new_in(&snap).is_empty(), "the same change is not counted twice");
         let snap = Snapshot::from_yaml(&(slice("old", "2026-01-01T00:00:09Z") + &slice("new", "2026-01-01T00:00:05Z")));
         assert_eq!(tt.new_in(&snap).len(), 1);
-    }
-
-    #[test]
-    fn every_pinned_map_is_counted() {
-        let counted: Vec<&str> = ENTRY_COUNTERS.iter().map(|(n, _)| *n).collect();
-        for map in crate::maps::PINNED_MAPS {
-            assert!(counted.contains(&map), "no entry counter for pinned map {map}");
-        }
     }
 
     #[test]
