@@ -9,6 +9,7 @@ pub mod counter;
 pub mod csum;
 pub mod maps;
 pub mod reject_limit;
+pub mod tcp;
 
 pub use addr::Addr;
 pub use counter::{Counter, Verdict};

@@ -20,16 +20,10 @@ pub const IPV6_HLEN: usize = 40;
 pub const IPV6_SRC_OFF: usize = 8;
 pub const IPV6_DST_OFF: usize = 24;
 
-// TCP: the header without options, offsets in it, flags.
-pub const TCP_HLEN: usize = 20;
-pub const TCP_SEQ_OFF: usize = 4;
-pub const TCP_ACK_OFF: usize = 8;
-pub const TCP_FLAGS_OFF: usize = 13;
-pub const TCP_CSUM_OFF: usize = 16;
-pub const TCP_FIN: u8 = 0x01;
-pub const TCP_SYN: u8 = 0x02;
-pub const TCP_RST: u8 = 0x04;
-pub const TCP_ACK: u8 = 0x10;
+// TCP: shared with the agent's tests (the reset is built by proxy-common).
+pub use proxy_common::tcp::{
+    TCP_ACK, TCP_ACK_OFF, TCP_CSUM_OFF, TCP_FIN, TCP_FLAGS_OFF, TCP_HLEN, TCP_RST, TCP_SEQ_OFF, TCP_SYN,
+};
 
 // UDP.
 pub const UDP_HLEN: usize = 8;

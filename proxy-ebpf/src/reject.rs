@@ -17,7 +17,7 @@ use proxy_common::IPPROTO_TCP;
 
 use crate::{
     context::PacketContext,
-    headers::{ETH_HLEN, ETH_ALEN, ETH_P_IP, IPV4_HLEN, TCP_HLEN, TCP_CSUM_OFF, TCP_FIN, TCP_SYN, TCP_RST, TCP_ACK, ICMP_HLEN},
+    headers::{ETH_HLEN, ETH_ALEN, ETH_P_IP, IPV4_HLEN, ICMP_HLEN, TCP_CSUM_OFF, TCP_HLEN},
     l2,
     packet::Packet,
 };
@@ -98,35 +98,6 @@ fn tcp_rst(ctx: &impl PacketContext, buf: &mut [u8; OUT_LEN], orig_ip: &[u8; IPV
     Ok(ETH_HLEN + RST_L3_LEN)
 }
 
-/// RFC 793 reset for a segment that reached no listener, for either IP
-/// family: `tcp` holds the segment's TCP header and becomes the reset's (no
-/// options, checksum left zero); `l4_len` counts the segment's bytes after
-/// the IP header. Seq from the segment's ACK if it had one, else 0 with an
-/// ACK of everything it carried.
-#[inline(always)]
-pub fn reset_in_place(tcp: &mut [u8; TCP_HLEN], l4_len: u32) {
-    // Scalars, not copies of the header: the stack is short.
-    let word = |i: usize| u32::from_be_bytes([tcp[i], tcp[i + 1], tcp[i + 2], tcp[i + 3]]);
-    let (ports, seq, ack) = (word(0), word(4), word(8));
-    let doff = ((tcp[12] >> 4) as u32) * 4;
-    let flags = tcp[13];
-    let mut seg_len = l4_len.saturating_sub(doff);
-    if flags & TCP_SYN != 0 {
-        seg_len += 1;
-    }
-    if flags & TCP_FIN != 0 {
-        seg_len += 1;
-    }
-    let (seq, ack, flags) =
-        if flags & TCP_ACK != 0 { (ack, 0, TCP_RST) } else { (0, seq.wrapping_add(seg_len), TCP_RST | TCP_ACK) };
-    tcp[0..4].copy_from_slice(&ports.rotate_left(16).to_be_bytes());
-    tcp[4..8].copy_from_slice(&seq.to_be_bytes());
-    tcp[8..12].copy_from_slice(&ack.to_be_bytes());
-    tcp[12] = (TCP_HLEN as u8 / 4) << 4;
-    tcp[13] = flags;
-    tcp[14..].fill(0);
-}
-
 /// The TCP checksum: the pseudo-header seed alone when the packet is
 /// CHECKSUM_PARTIAL (completion adds the header), else the full sum.
 fn finish_tcp_checksum(buf: &mut [u8; OUT_LEN], partial: bool) {
@@ -151,16 +122,7 @@ fn icmp_unreachable(ctx: &impl PacketContext, buf: &mut [u8; OUT_LEN], orig_ip: 
     Ok(ETH_HLEN + ICMP_L3_LEN)
 }
 
-/// One's complement sum of 16-bit words, unfolded.
-#[inline(always)]
-pub fn sum(bytes: &[u8], init: u32) -> u32 {
-    let mut s = init;
-    let mut i = 0;
-    while i + 1 < bytes.len() {
-        s += u16::from_be_bytes([bytes[i], bytes[i + 1]]) as u32;
-        i += 2;
-    }
-    s
-}
-
-pub use proxy_common::csum::fold;
+pub use proxy_common::{
+    csum::{fold, sum},
+    tcp::reset_in_place,
+};
