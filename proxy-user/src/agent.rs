@@ -24,7 +24,7 @@ use crate::{
     incremental::{self, Update},
     kernel,
     metrics::{self, Metrics, TriggerTimes},
-    model::{ModelConfig, ObjectError},
+    model::{self, ModelConfig, ObjectError},
     node_addrs::{self, NodeAddrs},
     reconciler::Reconciler,
     root_lock,
@@ -146,7 +146,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 }
                 latest = rx.borrow_and_update().clone();
                 if let Some(snap) = &latest {
-                    syncer.health.set_node_eligible(health::node_eligible(snap.node.as_ref()));
+                    syncer.health.set_node_eligible(model::node::eligible(snap.node.as_ref()));
                 }
                 syncer.health.queued_update();
                 pending = true;

@@ -15,7 +15,6 @@ use std::{
 
 use axum::{Json, Router, extract::State, http::StatusCode, routing::get};
 use chrono::{DateTime, SecondsFormat, Utc};
-use k8s_openapi::api::core::v1::Node;
 use serde::Serialize;
 
 use crate::http_server::{self, ConnectionLimit};
@@ -23,8 +22,6 @@ use crate::http_server::{self, ConnectionLimit};
 /// kube-proxy's default: twice its 30 s sync period.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The taint the cluster autoscaler puts on a node it is about to delete.
-pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
 
 struct Status {
     /// The last sync that succeeded.
@@ -44,14 +41,6 @@ impl Default for Health {
     fn default() -> Self {
         Health::with_timeout(HEALTH_TIMEOUT)
     }
-}
-
-/// Whether a node may receive load-balanced traffic, as kube-proxy judges it.
-pub fn node_eligible(node: Option<&Node>) -> bool {
-    let Some(node) = node else { return true };
-    let deleting = node.metadata.deletion_timestamp.is_some();
-    let tainted = node.spec.as_ref().and_then(|s| s.taints.as_ref()).into_iter().flatten().any(|t| t.key == TO_BE_DELETED_TAINT);
-    !deleting && !tainted
 }
 
 impl Health {
@@ -182,18 +171,6 @@ mod tests {
     fn a_node_being_deleted_fails_healthz_but_not_livez() {
         let h = Health::with_timeout(T);
         h.sync_succeeded();
-        let node = |extra: serde_json::Value| -> Node {
-            let mut n = serde_json::json!({"metadata": {"name": "node-a"}});
-            n.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-            serde_json::from_value(n).unwrap()
-        };
-        let tainted = node(serde_json::json!({"spec": {"taints": [{"key": TO_BE_DELETED_TAINT, "effect": "NoSchedule"}]}}));
-        let other_taint = node(serde_json::json!({"spec": {"taints": [{"key": "dedicated", "effect": "NoSchedule"}]}}));
-        let mut deleting = node(serde_json::json!({}));
-        deleting.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Default::default()));
-        assert!(node_eligible(None) && node_eligible(Some(&other_taint)));
-        assert!(!node_eligible(Some(&tainted)) && !node_eligible(Some(&deleting)));
-
         h.set_node_eligible(false);
         let now = SystemTime::now();
         let (code, Json(body)) = h.answer_at(now, true);

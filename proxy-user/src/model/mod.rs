@@ -7,6 +7,7 @@
 //! - `frontends`: a Service's frontends, their flags and backend sets;
 //! - `endpoints`: which of a service port's endpoints serve (kube-proxy's
 //!   CategorizeEndpoints, topology, validation);
+//! - `node`: whether this node may receive load-balanced traffic;
 //! - `desired`: what the model outputs;
 //! - `skip`: what it reports for what it could not use.
 
@@ -14,6 +15,7 @@ mod desired;
 mod endpoints;
 mod frontends;
 mod group;
+pub mod node;
 mod skip;
 #[cfg(test)]
 mod tests;

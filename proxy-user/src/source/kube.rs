@@ -138,7 +138,7 @@ fn trim<K: Resource>(mut obj: K) -> K {
 /// rest changes with every status heartbeat and must not cause a sync.
 fn node_identity(node: Node) -> Node {
     let taints = node.spec.and_then(|s| s.taints).map(|t| {
-        t.into_iter().filter(|t| t.key == crate::health::TO_BE_DELETED_TAINT).collect::<Vec<_>>()
+        t.into_iter().filter(|t| t.key == crate::model::node::TO_BE_DELETED_TAINT).collect::<Vec<_>>()
     });
     Node {
         metadata: ObjectMeta {
