@@ -23,7 +23,7 @@ use crate::{
     maps::{self, Maps},
     incremental::{self, Update},
     kernel,
-    metrics::{self, Metrics, TriggerTimes},
+    metrics::{self, Metrics},
     model::{self, ModelConfig, ObjectError},
     node_addrs::{self, NodeAddrs},
     reconciler::Reconciler,
@@ -128,7 +128,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         service_cidrs: None,
         health,
         metrics,
-        trigger_times: TriggerTimes::new(chrono::Utc::now()),
+        started: chrono::Utc::now(),
     };
     // The latest snapshot, and whether it (or the node) changed since the last good sync.
     let mut latest: Option<Arc<Snapshot>> = None;
@@ -216,7 +216,9 @@ struct Syncer {
     service_cidrs: Option<BTreeSet<IpNet>>,
     health: Health,
     metrics: Metrics,
-    trigger_times: TriggerTimes,
+    /// Like kube-proxy, changes older than the agent's start are not
+    /// counted in the programming latency: it would measure the downtime.
+    started: chrono::DateTime<chrono::Utc>,
 }
 
 impl Syncer {
@@ -248,13 +250,16 @@ impl Syncer {
             release_freed_memory();
         }
         self.maps_behind = result.is_err();
+        if result.is_ok() {
+            let now = chrono::Utc::now();
+            for t in self.model.take_trigger_times().into_iter().filter(|t| *t > self.started) {
+                self.metrics.programmed_after((now - t).num_milliseconds().max(0) as f64 / 1000.0);
+            }
+        }
+        let desired = self.model.desired();
         match result {
             Ok(stats) => {
                 self.health.sync_succeeded();
-                let now = chrono::Utc::now();
-                for t in self.trigger_times.new_in(snap) {
-                    self.metrics.programmed_after((now - t).num_milliseconds().max(0) as f64 / 1000.0);
-                }
                 self.metrics.sync_succeeded(
                     start.elapsed().as_secs_f64(),
                     desired.backend_sets.len(),

@@ -21,7 +21,10 @@ use proxy_common::FrontendKey;
 
 use crate::{
     capacity::{self, Budget, Full, Unlimited},
-    model::{self, BackendSetKey, BackendTuple, DesiredState, ModelConfig, ObjectError, ServiceKey, SkipReason},
+    model::{
+        self, BackendSetKey, BackendTuple, DesiredState, ModelConfig, ObjectError, ServiceKey, SkipReason,
+        trigger_times::TriggerTimes,
+    },
     precedence::{self, Claim},
     service_cidrs,
     source::Snapshot,
@@ -135,6 +138,8 @@ pub struct Model {
     backend_claims: HashMap<BackendTuple, FlagCounts>,
     /// The Services (keys into `parts`) with a health check on each port.
     health_check_claims: BTreeMap<u16, BTreeSet<String>>,
+    /// When the slices' changes happened, for the programming latency.
+    trigger_times: TriggerTimes,
 }
 
 fn joined(key: ServiceKey) -> String {
@@ -144,6 +149,12 @@ fn joined(key: ServiceKey) -> String {
 impl Model {
     pub fn desired(&self) -> &DesiredState {
         &self.desired
+    }
+
+    /// When the changes to slices since the last call happened (their
+    /// last-change-trigger-time): to be taken once they are in the maps.
+    pub fn take_trigger_times(&mut self) -> Vec<chrono::DateTime<chrono::Utc>> {
+        self.trigger_times.take()
     }
 
     /// What was skipped (the same as `model::build` reports, not in its
@@ -203,7 +214,9 @@ impl Model {
         let everything =
             self.config.as_ref().is_none_or(|(c, z)| c != config || z != zone) || cidrs != self.desired.service_cidrs;
         if everything {
-            *self = Model { config: Some((config.clone(), zone.to_string())), ..Default::default() };
+            // Trigger times outlive a rebuild: a slice's change is counted once.
+            let trigger_times = std::mem::take(&mut self.trigger_times);
+            *self = Model { config: Some((config.clone(), zone.to_string())), trigger_times, ..Default::default() };
             self.keys.push("\0unlabelled".into());
         }
         self.desired.service_cidrs = cidrs;
@@ -226,6 +239,7 @@ impl Model {
             match self.seen.get_mut(&(Arc::as_ptr(slice) as usize)) {
                 Some(seen) => seen.generation = generation,
                 None => {
+                    self.trigger_times.changed(slice);
                     let key = model::slice_owner(slice).map_or(UNLABELLED, |k| self.key_id(k));
                     keys.insert(key);
                     let seen = Seen { key, generation, _object: Held::Slice(Arc::clone(slice)) };
@@ -233,6 +247,7 @@ impl Model {
                 }
             }
         }
+        self.trigger_times.forget_gone(snapshot.slices.iter().map(|s| &**s));
         self.seen.retain(|_, seen| {
             let live = seen.generation == generation;
             if !live {

@@ -4,7 +4,6 @@
 //! datapath's per-CPU packet counters.
 
 use std::{
-    collections::BTreeMap,
     net::SocketAddr,
     path::{Path, PathBuf},
     sync::Arc,
@@ -12,7 +11,7 @@ use std::{
 
 use anyhow::Result;
 use axum::{Router, extract::State, http::header, response::IntoResponse, routing::get};
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric},
@@ -31,12 +30,7 @@ use crate::{
     http_server::{self, ConnectionLimit},
     maps::Fill,
     model::ObjectError,
-    source::Snapshot,
 };
-
-/// The EndpointSlice annotation the endpoints controller sets to when the
-/// change it reflects happened (network programming latency starts there).
-pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct SkippedLabels {
@@ -166,43 +160,6 @@ fn labels(e: &ObjectError) -> SkippedLabels {
 /// A bounded label for a skipped problem: the object's kind and why.
 pub fn classify(e: &ObjectError) -> (&'static str, &'static str) {
     (e.kind.label(), e.why.label())
-}
-
-/// Trigger times of EndpointSlice changes not yet programmed. Like
-/// kube-proxy, changes older than the agent's start are not counted: their
-/// latency measures the agent's downtime, not programming.
-pub struct TriggerTimes {
-    start: DateTime<Utc>,
-    seen: BTreeMap<String, DateTime<Utc>>,
-}
-
-impl TriggerTimes {
-    pub fn new(start: DateTime<Utc>) -> Self {
-        TriggerTimes { start, seen: BTreeMap::new() }
-    }
-
-    /// The trigger times in `snap` that are new since the last call.
-    pub fn new_in(&mut self, snap: &Snapshot) -> Vec<DateTime<Utc>> {
-        let mut fresh = Vec::new();
-        let mut seen = BTreeMap::new();
-        for slice in &snap.slices {
-            let Some(t) = slice.metadata.annotations.as_ref().and_then(|a| a.get(TRIGGER_TIME_ANNOTATION)) else {
-                continue;
-            };
-            let Ok(t) = DateTime::parse_from_rfc3339(t).map(|t| t.with_timezone(&Utc)) else { continue };
-            let key = format!(
-                "{}/{}",
-                slice.metadata.namespace.as_deref().unwrap_or(""),
-                slice.metadata.name.as_deref().unwrap_or("")
-            );
-            if t > self.start && self.seen.get(&key) != Some(&t) {
-                fresh.push(t);
-            }
-            seen.insert(key, t);
-        }
-        self.seen = seen;
-        fresh
-    }
 }
 
 /// Scrape-time figures from the pinned maps (opened at each scrape, so a
@@ -367,6 +324,7 @@ mod tests {
     use super::*;
     use crate::{
         model::{self, ModelConfig},
+        source::Snapshot,
     };
 
     const BAD: &str = r#"
@@ -442,22 +400,6 @@ spec: {cidrs: [10.96.0.0/16, 10.96.0.0]}
         assert!(line(r#"ebpf_proxy_skipped_objects_total{kind="ServiceCIDR",reason="invalid_cidr"} 1"#).is_some(), "{text}");
         // Without pinned maps, the dataplane figures are absent, not invented.
         assert!(!text.contains("ebpf_proxy_map_entries"), "{text}");
-    }
-
-    #[test]
-    fn programming_latency_counts_each_change_after_start_once() {
-        let start = DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z").unwrap().with_timezone(&Utc);
-        let slice = |name: &str, t: &str| {
-            format!(
-                "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}, namespace: a, annotations: {{{TRIGGER_TIME_ANNOTATION}: '{t}'}}}}\naddressType: IPv4\nendpoints: []\n---\n"
-            )
-        };
-        let mut tt = TriggerTimes::new(start);
-        let snap = Snapshot::from_yaml(&(slice("old", "2025-12-31T23:59:00Z") + &slice("new", "2026-01-01T00:00:05Z")));
-        assert_eq!(tt.new_in(&snap).len(), 1, "only the change after start");
-        assert!(tt.new_in(&snap).is_empty(), "the same change is not counted twice");
-        let snap = Snapshot::from_yaml(&(slice("old", "2026-01-01T00:00:09Z") + &slice("new", "2026-01-01T00:00:05Z")));
-        assert_eq!(tt.new_in(&snap).len(), 1);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! /metrics with real traffic: map fill against capacity, and the datapath's
 //! per-CPU verdict counters, move with the packets sent through a ClusterIP;
 //! a Service without endpoints shows up as rejects; a bad
-//! object is counted by kind and reason.
+//! object is counted by kind and reason; a slice's change shows in the
+//! network programming latency.
 
 use std::{
     collections::BTreeMap,
@@ -97,5 +98,39 @@ fn scrape_shows_map_fill_and_verdicts_moving_with_traffic() -> Result<()> {
     // Each flow holds two conntrack entries (original and reply direction).
     assert!(moved(r#"ebpf_proxy_map_entries{map="CONNTRACK"}"#)? >= (4 * FLOWS) as f64, "{after:#?}");
     assert_eq!(moved(r#"ebpf_proxy_map_entries{map="FRONTENDS"}"#)?, 0.0);
+
+    // A slice changed now: its trigger time is counted once it is programmed.
+    const LATENCY: &str = "kubeproxy_network_programming_duration_seconds_count";
+    let counted = get(&after, LATENCY)?;
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    std::fs::write(manifests.path().join("late.yaml"), late_service(&now))?;
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while get(&agent.scrape(&node.ns)?, LATENCY)? == counted {
+        anyhow::ensure!(std::time::Instant::now() < deadline, "the change at {now} was not counted: {}", agent.logs());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(get(&agent.scrape(&node.ns)?, LATENCY)?, counted + 1.0, "counted once");
     Ok(())
+}
+
+fn late_service(trigger_time: &str) -> String {
+    format!(
+        r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: late, namespace: demo}}
+spec: {{clusterIP: 10.96.0.30, ports: [{{name: tcp, port: 80, protocol: TCP}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: late-1
+  namespace: demo
+  labels: {{kubernetes.io/service-name: late}}
+  annotations: {{endpoints.kubernetes.io/last-change-trigger-time: '{trigger_time}'}}
+addressType: IPv4
+ports: [{{name: tcp, port: {TCP_TARGET}, protocol: TCP}}]
+endpoints: [{{addresses: [10.244.0.11]}}]
+"#
+    )
 }

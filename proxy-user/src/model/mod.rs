@@ -9,7 +9,8 @@
 //!   CategorizeEndpoints, topology, validation);
 //! - `node`: whether this node may receive load-balanced traffic;
 //! - `desired`: what the model outputs;
-//! - `skip`: what it reports for what it could not use.
+//! - `skip`: what it reports for what it could not use;
+//! - `trigger_times`: when the changes it is given happened.
 
 mod desired;
 mod endpoints;
@@ -17,6 +18,7 @@ mod frontends;
 mod group;
 pub mod node;
 mod skip;
+pub mod trigger_times;
 #[cfg(test)]
 mod tests;
 
