@@ -1,11 +1,13 @@
 //! The Kubernetes API source: kube-rs watchers on Services, EndpointSlices
 //! and this node's Node, with kube-proxy's selectors, and on ServiceCIDRs
 //! where the API server serves them (asked once at start). Each watcher
-//! keeps its own store; a snapshot of them all is published once every
-//! store has had its first complete list, and again after each change. A
-//! watch that expires (410 Gone) makes the watcher relist, and the relist
-//! replaces its store, so objects deleted meanwhile go away. Errors are
-//! retried within a second (`retry`).
+//! feeds a kube-rs reflector store; a snapshot of them all is published once
+//! every store has had its first complete list, and again after each
+//! change. A watch that expires (410 Gone) makes the watcher relist, and the
+//! store swaps in the relisted objects when the list is complete, so objects
+//! deleted meanwhile go away and nothing half-listed is ever served. Errors
+//! are retried within a second (`retry`). An unchanged object keeps its
+//! `Arc` from one snapshot to the next: the model tells changes by it.
 
 use std::{collections::BTreeMap, path::Path, pin::Pin, sync::Arc};
 
@@ -23,7 +25,11 @@ use kube::{
     Api, Client, Config, Resource, ResourceExt,
     api::ListParams,
     config::{KubeConfigOptions, Kubeconfig},
-    runtime::{WatchStreamExt, watcher},
+    runtime::{
+        WatchStreamExt,
+        reflector::{self, Store},
+        watcher,
+    },
 };
 use tracing::{debug, info, warn};
 
@@ -77,66 +83,23 @@ impl KubeSource {
     }
 }
 
-/// One resource's objects by `namespace/name`, as its watcher last reported
-/// them; shared with the snapshots, so publishing one copies no object.
-struct Store<K> {
-    objects: BTreeMap<String, Arc<K>>,
-    /// Objects of a relist in progress; they replace `objects` when it completes.
-    relisting: Option<BTreeMap<String, Arc<K>>>,
-    /// Whether a complete list has arrived.
-    listed: bool,
-}
-
-impl<K: Resource + Clone> Store<K> {
-    fn new() -> Self {
-        Store { objects: BTreeMap::new(), relisting: None, listed: false }
-    }
-
-    /// The store of a resource the API server does not serve: empty, and
-    /// complete from the start.
-    fn unserved() -> Self {
-        Store { listed: true, ..Store::new() }
-    }
-
-    /// Applies one watcher event; returns whether the served objects changed.
-    fn apply(&mut self, event: watcher::Event<K>) -> bool {
-        match event {
-            watcher::Event::Apply(obj) => {
-                self.objects.insert(key(&obj), Arc::new(trim(obj)));
-                self.listed
-            }
-            watcher::Event::Delete(obj) => self.objects.remove(&key(&obj)).is_some() && self.listed,
-            watcher::Event::Init => {
-                self.relisting = Some(BTreeMap::new());
-                false
-            }
-            watcher::Event::InitApply(obj) => {
-                self.relisting.get_or_insert_default().insert(key(&obj), Arc::new(trim(obj)));
-                false
-            }
-            watcher::Event::InitDone => {
-                self.objects = self.relisting.take().unwrap_or_default();
-                self.listed = true;
-                true
-            }
-        }
-    }
-}
-
 fn key<K: Resource>(obj: &K) -> String {
     format!("{}/{}", obj.meta().namespace.as_deref().unwrap_or(""), obj.meta().name.as_deref().unwrap_or(""))
 }
 
 /// Managed fields are large and never read; dropping them keeps memory to what the model uses.
-fn trim<K: Resource>(mut obj: K) -> K {
+fn trim<K: Resource>(obj: &mut K) {
     obj.meta_mut().managed_fields = None;
-    obj
 }
 
 /// Only the Node's name and labels (the zone, for topology) and whether it is
 /// going away (deletion, the autoscaler's taint, for /healthz) matter; the
 /// rest changes with every status heartbeat and must not cause a sync.
-fn node_identity(node: Node) -> Node {
+fn node_identity(node: &mut Node) {
+    *node = identity(std::mem::take(node));
+}
+
+fn identity(node: Node) -> Node {
     let taints = node.spec.and_then(|s| s.taints).map(|t| {
         t.into_iter().filter(|t| t.key == crate::model::node::TO_BE_DELETED_TAINT).collect::<Vec<_>>()
     });
@@ -217,43 +180,47 @@ impl Source for KubeSource {
             served = serves_service_cidrs(&self.client) => served,
             _ = updates.closed() => return Ok(()),
         };
-        let (mut cidrs, mut cidr_store): (EventStream<ServiceCIDR>, _) = if served {
-            (Box::pin(watch(self.client.clone(), watcher::Config::default())), Store::new())
+        let (cidr_store, cidr_writer) = reflector::store::<ServiceCIDR>();
+        let mut cidrs: EventStream<ServiceCIDR> = if served {
+            Box::pin(watch(self.client.clone(), watcher::Config::default()).modify(trim).reflect(cidr_writer))
         } else {
-            (Box::pin(futures::stream::pending()), Store::unserved())
+            Box::pin(futures::stream::pending())
         };
-        let mut services = Box::pin(watch::<Service>(self.client.clone(), selector.clone()));
-        let mut slices = Box::pin(watch::<EndpointSlice>(self.client.clone(), selector));
-        let mut nodes = Box::pin(watch::<Node>(self.client.clone(), node_selector));
+        let (service_store, service_writer) = reflector::store::<Service>();
+        let (slice_store, slice_writer) = reflector::store::<EndpointSlice>();
+        let (node_store, node_writer) = reflector::store::<Node>();
+        let mut services = Box::pin(watch::<Service>(self.client.clone(), selector.clone()).modify(trim).reflect(service_writer));
+        let mut slices = Box::pin(watch::<EndpointSlice>(self.client.clone(), selector).modify(trim).reflect(slice_writer));
+        let mut nodes = Box::pin(watch::<Node>(self.client.clone(), node_selector).modify(node_identity).reflect(node_writer));
 
-        let mut service_store = Store::<Service>::new();
-        let mut slice_store = Store::<EndpointSlice>::new();
-        let mut node_store = Store::<Node>::new();
-        let mut node_seen: Option<Node> = None;
+        // Whether each store has had a complete list (an unserved resource's
+        // empty store is complete from the start).
+        let mut listed = Listed { cidrs: !served, ..Listed::default() };
+        let mut node_seen: Option<Arc<Node>> = None;
         let mut published = false;
         loop {
             let changed = tokio::select! {
-                ev = services.next() => handle("services", ev, &mut service_store)?,
-                ev = slices.next() => handle("endpointslices", ev, &mut slice_store)?,
-                ev = cidrs.next() => handle("servicecidrs", ev, &mut cidr_store)?,
+                ev = services.next() => handle("services", ev, &mut listed.services)?,
+                ev = slices.next() => handle("endpointslices", ev, &mut listed.slices)?,
+                ev = cidrs.next() => handle("servicecidrs", ev, &mut listed.cidrs)?,
                 ev = nodes.next() => {
-                    handle("nodes", ev, &mut node_store)?;
-                    let node = node_store.objects.values().next().map(|n| node_identity((**n).clone()));
-                    let changed = node_store.listed && (node != node_seen || !published);
+                    handle("nodes", ev, &mut listed.node)?;
+                    // Only the Node's identity is stored: a status heartbeat changes nothing.
+                    let node = node_store.state().into_iter().next();
+                    let changed = listed.node && (node.as_deref() != node_seen.as_deref() || !published);
                     node_seen = node;
                     changed
                 }
                 _ = updates.closed() => return Ok(()),
             };
-            let ready = service_store.listed && slice_store.listed && node_store.listed && cidr_store.listed;
-            if !(changed && ready) {
+            if !(changed && listed.all()) {
                 continue;
             }
             let snap = Snapshot {
-                services: service_store.objects.values().cloned().collect(),
-                slices: slice_store.objects.values().cloned().collect(),
-                node: node_seen.clone(),
-                service_cidrs: cidr_store.objects.values().cloned().collect(),
+                services: sorted(&service_store),
+                slices: sorted(&slice_store),
+                node: node_seen.as_deref().cloned(),
+                service_cidrs: sorted(&cidr_store),
             };
             if !published {
                 info!(
@@ -270,19 +237,54 @@ impl Source for KubeSource {
     }
 }
 
-/// One item of a watcher stream into its store; whether the store changed.
-fn handle<K: Resource + Clone + ResourceExt>(
+#[derive(Default)]
+struct Listed {
+    services: bool,
+    slices: bool,
+    node: bool,
+    cidrs: bool,
+}
+
+impl Listed {
+    fn all(&self) -> bool {
+        self.services && self.slices && self.node && self.cidrs
+    }
+}
+
+/// A store's objects by namespace/name, so that a snapshot's order (and
+/// what the model reports in it) does not depend on the store's hashing.
+fn sorted<K: Resource + Clone>(store: &Store<K>) -> Vec<Arc<K>>
+where
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    let mut objects = store.state();
+    objects.sort_unstable_by(|a, b| {
+        (a.meta().namespace.as_deref(), a.meta().name.as_deref()).cmp(&(b.meta().namespace.as_deref(), b.meta().name.as_deref()))
+    });
+    objects
+}
+
+/// One item of a reflected watcher stream (the store has applied it);
+/// whether what is served changed. `listed` becomes true with the first
+/// complete list; before it nothing is served, and a relist is served only
+/// once complete (the store swaps it in then).
+fn handle<K: Resource + ResourceExt>(
     what: &str,
     item: Option<Result<watcher::Event<K>, watcher::Error>>,
-    store: &mut Store<K>,
+    listed: &mut bool,
 ) -> Result<bool> {
     match item {
-        Some(Ok(ev)) => {
-            if let watcher::Event::Apply(o) | watcher::Event::Delete(o) = &ev {
+        Some(Ok(ev)) => Ok(match &ev {
+            watcher::Event::Apply(o) | watcher::Event::Delete(o) => {
                 debug!(resource = what, object = %key(o), "watch event");
+                *listed
             }
-            Ok(store.apply(ev))
-        }
+            watcher::Event::Init | watcher::Event::InitApply(_) => false,
+            watcher::Event::InitDone => {
+                *listed = true;
+                true
+            }
+        }),
         Some(Err(e)) => {
             // The watcher relists or rewatches by itself, after `retry`'s
             // backoff; what is served stays as it is meanwhile.
@@ -308,27 +310,5 @@ mod tests {
         assert!(!is_ours(Some(&labels(&[("service.kubernetes.io/service-proxy-name", "cilium")]))));
         assert!(!is_ours(Some(&labels(&[("service.kubernetes.io/service-proxy-name", "")]))));
         assert!(!is_ours(Some(&labels(&[("kubernetes.io/service-name", "hl"), ("service.kubernetes.io/headless", "")]))));
-    }
-
-    fn svc(name: &str) -> Service {
-        Service { metadata: ObjectMeta { name: Some(name.into()), namespace: Some("a".into()), ..Default::default() }, ..Default::default() }
-    }
-
-    #[test]
-    fn relist_replaces_the_store_and_nothing_is_served_before_the_first_list() {
-        let mut st = Store::new();
-        assert!(!st.apply(watcher::Event::Init));
-        assert!(!st.apply(watcher::Event::InitApply(svc("x"))));
-        assert!(!st.listed);
-        assert!(st.apply(watcher::Event::InitDone));
-        assert!(st.apply(watcher::Event::Apply(svc("y"))));
-        // A relist that no longer has x: x goes, y stays served until the relist ends.
-        assert!(!st.apply(watcher::Event::Init));
-        assert!(!st.apply(watcher::Event::InitApply(svc("y"))));
-        assert_eq!(st.objects.len(), 2);
-        assert!(st.apply(watcher::Event::InitDone));
-        assert_eq!(st.objects.keys().collect::<Vec<_>>(), ["a/y"]);
-        assert!(st.apply(watcher::Event::Delete(svc("y"))));
-        assert!(!st.apply(watcher::Event::Delete(svc("y"))), "deleting what is gone changes nothing");
     }
 }
