@@ -10,13 +10,14 @@ use k8s_openapi::api::{
     discovery::v1::EndpointSlice,
 };
 use proxy_common::{
-    Addr, BACKEND_LOCAL, BACKEND_READY, FrontendKey, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, POLICY_CLUSTER,
-    POLICY_LOCAL, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE, SVC_SOURCE_RANGES,
+    Addr, BACKEND_LOCAL, BACKEND_READY, FrontendKey, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER,
+    KIND_NODE_PORT, POLICY_CLUSTER, POLICY_LOCAL, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
+    SVC_SOURCE_RANGES,
 };
 
 use super::{
-    BackendSetKey, DesiredFrontend, ServiceKey, DesiredState, ModelConfig, ObjectError, ServicePortName, SkipReason,
-    HealthCheck,
+    BackendSetKey, DesiredFrontend, DesiredState, HealthCheck, ModelConfig, ObjectError, ServiceKey, ServicePortName,
+    SkipReason,
     endpoints::{categorize, endpoint_flags, protocol_of, select_endpoints},
 };
 use crate::{endpoint_ips, precedence};
@@ -25,7 +26,7 @@ use crate::{endpoint_ips, precedence};
 pub(super) const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
 
 /// One Service's share of the desired state (its frontends, backend sets,
-/// ClusterIPs and source ranges; `backends` left empty) and what in it was
+/// ClusterIPs, source ranges and health check; `backends` left empty) and what in it was
 /// skipped. `service_cidrs` are the effective ones: no endpoint is in them.
 pub fn build_part(
     key: ServiceKey,
