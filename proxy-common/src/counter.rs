@@ -149,13 +149,7 @@ counters! {
     FragmentFirst = 29, "fragment_first", None;
     /// Not a packet verdict: later fragments that found their first's ports
     /// and went where it went (counted by their verdict too).
-    FragmentFollowed = 30, "fragment_followed", None;}
-
-impl Counter {
-    /// The counter in slot `index`, if there is one.
-    pub fn at(index: usize) -> Option<Counter> {
-        Counter::ALL.get(index).copied()
-    }
+    FragmentFollowed = 30, "fragment_followed", None;
 }
 
 const _: () = {

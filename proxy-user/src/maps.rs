@@ -103,18 +103,13 @@ pub const PINNED_MAPS: [&str; PINNED.len()] = {
     names
 };
 
-/// A pinned map, opened (without holding it).
-pub fn open_pinned_map(root: &Path, name: &str) -> Result<aya::maps::Map> {
-    Ok(aya::maps::Map::from_map_data(MapData::from_pin(root.join(name))?)?)
-}
-
 fn hash_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64> {
-    let map: HashMap<MapData, K, V> = open_pinned_map(root, name)?.try_into()?;
+    let map: HashMap<MapData, K, V> = open_pin(root, name)?.try_into()?;
     Ok(map.keys().filter(|k| k.is_ok()).count() as u64)
 }
 
 fn trie_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64> {
-    let map: LpmTrie<MapData, K, V> = open_pinned_map(root, name)?.try_into()?;
+    let map: LpmTrie<MapData, K, V> = open_pin(root, name)?.try_into()?;
     Ok(map.keys().filter(|k| k.is_ok()).count() as u64)
 }
 
@@ -392,6 +387,7 @@ fn load_object(options: &LoadOptions, kind: LinkKind) -> Result<Ebpf> {
         .map_err(|e| load_error(e, root))
 }
 
+/// A pinned map, opened (without holding it).
 fn open_pin(root: &Path, name: &str) -> Result<Map> {
     let path = root.join(name);
     let data = MapData::from_pin(&path).with_context(|| {
@@ -481,8 +477,18 @@ impl Maps {
 
     /// Per-CPU counters summed, indexed like `Counter::ALL`.
     pub fn read_counters(&self) -> Result<Vec<u64>> {
-        (0..proxy_common::Counter::ALL.len() as u32).map(|i| Ok(self.counters.get(&i, 0)?.iter().sum())).collect()
+        sum_counters(&self.counters)
     }
+}
+
+/// The pinned counters of the agent at `root`, summed over CPUs (for a
+/// reader that holds no maps, as the metrics scrape).
+pub fn pinned_counters(root: &Path) -> Result<Vec<u64>> {
+    sum_counters(&open_pin(root, MAP_COUNTERS)?.try_into()?)
+}
+
+fn sum_counters(counters: &PerCpuArray<MapData, u64>) -> Result<Vec<u64>> {
+    (0..Counter::ALL.len() as u32).map(|i| Ok(counters.get(&i, 0)?.iter().sum())).collect()
 }
 
 impl MapWriter for Maps {

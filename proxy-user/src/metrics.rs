@@ -193,12 +193,6 @@ pub fn map_fill(root: &Path) -> Result<Vec<MapFill>> {
         .collect()
 }
 
-/// Per-CPU counters summed, indexed like `Counter::ALL`.
-fn read_counters(root: &Path) -> Result<Vec<u64>> {
-    let map: aya::maps::PerCpuArray<aya::maps::MapData, u64> = crate::maps::open_pinned_map(root, proxy_common::MAP_COUNTERS)?.try_into()?;
-    (0..DpCounter::ALL.len() as u32).map(|i| Ok(map.get(&i, 0)?.iter().sum())).collect()
-}
-
 impl Collector for Dataplane {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
         if !self.root.exists() {
@@ -229,7 +223,7 @@ impl Collector for Dataplane {
         for m in fill.iter().filter(|m| m.fills && m.capacity > 0) {
             ConstGauge::new(m.entries as f64 / m.capacity as f64).encode(enc.encode_family(&[("map", m.map)])?)?;
         }
-        let counters = match read_counters(&self.root) {
+        let counters = match crate::maps::pinned_counters(&self.root) {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!("metrics: cannot read the packet counters: {e:#}");

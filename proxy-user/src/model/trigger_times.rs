@@ -26,12 +26,7 @@ impl TriggerTimes {
     pub fn changed(&mut self, slice: &EndpointSlice) {
         let Some(t) = slice.metadata.annotations.as_ref().and_then(|a| a.get(TRIGGER_TIME_ANNOTATION)) else { return };
         let Ok(t) = DateTime::parse_from_rfc3339(t).map(|t| t.with_timezone(&Utc)) else { return };
-        let key = format!(
-            "{}/{}",
-            slice.metadata.namespace.as_deref().unwrap_or(""),
-            slice.metadata.name.as_deref().unwrap_or("")
-        );
-        if self.last.insert(key, t) != Some(t) {
+        if self.last.insert(key(slice), t) != Some(t) {
             self.fresh.push(t);
         }
     }
@@ -42,9 +37,7 @@ impl TriggerTimes {
         if self.last.len() <= 2 * slices.len().max(64) {
             return;
         }
-        let live: std::collections::HashSet<String> = slices
-            .map(|s| format!("{}/{}", s.metadata.namespace.as_deref().unwrap_or(""), s.metadata.name.as_deref().unwrap_or("")))
-            .collect();
+        let live: std::collections::HashSet<String> = slices.map(key).collect();
         self.last.retain(|key, _| live.contains(key));
     }
 
@@ -52,6 +45,10 @@ impl TriggerTimes {
     pub fn take(&mut self) -> Vec<DateTime<Utc>> {
         std::mem::take(&mut self.fresh)
     }
+}
+
+fn key(slice: &EndpointSlice) -> String {
+    format!("{}/{}", slice.metadata.namespace.as_deref().unwrap_or(""), slice.metadata.name.as_deref().unwrap_or(""))
 }
 
 #[cfg(test)]
