@@ -23,7 +23,7 @@ use proxy_common::{
     MAP_BACKENDS, MAP_FRONTENDS, MAP_SERVICE_NAMES, MAP_SOURCE_RANGES, cluster_ip_marker,
 };
 
-use crate::model::{BackendSetKey, BackendTuple, DesiredState};
+use crate::model::{BackendSetKey, BackendTuple, Share};
 
 /// The maps the agent fills per Service.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -156,7 +156,7 @@ impl<'h, H: Held + ?Sized> Budget<'h, H> {
     /// Admits one Service's share of the desired state if each map has room
     /// for the entries it adds; else says which map would overflow, and
     /// counts nothing of it.
-    pub fn admit(&mut self, part: &DesiredState) -> Result<(), Full> {
+    pub fn admit(&mut self, part: &Share) -> Result<(), Full> {
         let unlimited = ServiceMap::ALL.iter().all(|m| self.held.capacity(*m) == u64::MAX);
         if unlimited {
             return Ok(());
@@ -164,7 +164,7 @@ impl<'h, H: Held + ?Sized> Budget<'h, H> {
         let mut adds: Entries = [0; 5];
         let markers = part.cluster_ips.iter().map(|ip| cluster_ip_marker((*ip).into()));
         let mut new_frontends: HashSet<FrontendKey> = HashSet::new();
-        for key in part.frontends.keys().copied().chain(markers) {
+        for key in part.frontends.iter().map(|(key, _)| *key).chain(markers) {
             if !self.held.has_frontend(&key) && !self.frontends.contains(&key) {
                 new_frontends.insert(key);
             }
@@ -182,7 +182,7 @@ impl<'h, H: Held + ?Sized> Budget<'h, H> {
                     new_backends.insert(t);
                 }
             }
-            let nets = part.source_ranges.get(set).into_iter().flatten();
+            let nets = part.source_ranges_of(set).into_iter().flatten();
             adds[ServiceMap::SourceRanges as usize] +=
                 nets.filter(|net| id.is_none_or(|id| !self.held.has_source_range(id, net))).count() as u64;
         }
@@ -205,11 +205,11 @@ impl<'h, H: Held + ?Sized> Budget<'h, H> {
 /// Whether the maps have room for every entry of all of `parts`, even if
 /// none were held yet and none shared: then each is admitted without
 /// counting key by key (the common case, and the cheap one).
-pub fn room_for_all<'p>(held: &(impl Held + ?Sized), parts: impl Iterator<Item = &'p DesiredState>) -> bool {
+pub fn room_for_all<'p>(held: &(impl Held + ?Sized), parts: impl Iterator<Item = &'p Share>) -> bool {
     let mut most = held.entries();
     for part in parts {
-        let slots: u64 = part.backend_sets.values().map(|b| b.len() as u64).sum();
-        let ranges: u64 = part.source_ranges.values().map(|r| r.len() as u64).sum();
+        let slots: u64 = part.backend_sets.iter().map(|(_, b)| b.len() as u64).sum();
+        let ranges: u64 = part.source_ranges.iter().map(|(_, r)| r.len() as u64).sum();
         let adds = [(part.frontends.len() + part.cluster_ips.len()) as u64, part.backend_sets.len() as u64, slots, slots, ranges];
         for (m, n) in most.iter_mut().zip(adds) {
             *m = m.saturating_add(n);
@@ -219,16 +219,16 @@ pub fn room_for_all<'p>(held: &(impl Held + ?Sized), parts: impl Iterator<Item =
 }
 
 /// Every entry a Service's share puts in `map`, held or not.
-fn own_entries(part: &DesiredState, map: ServiceMap) -> u64 {
+fn own_entries(part: &Share, map: ServiceMap) -> u64 {
     let n = match map {
         ServiceMap::Frontends => part.frontends.len() + part.cluster_ips.len(),
         ServiceMap::Names => part.backend_sets.len(),
-        ServiceMap::Slots => part.backend_sets.values().map(Vec::len).sum(),
+        ServiceMap::Slots => part.backend_sets.iter().map(|(_, b)| b.len()).sum(),
         ServiceMap::Backends => {
-            part.backend_sets.values().flatten().map(|b| (b.addr, b.port, b.proto)).collect::<HashSet<_>>().len()
+            part.backend_sets.iter().flat_map(|(_, b)| b).map(|b| (b.addr, b.port, b.proto)).collect::<HashSet<_>>().len()
         }
         ServiceMap::SourceRanges => {
-            part.backend_sets.keys().filter_map(|set| part.source_ranges.get(set)).map(Vec::len).sum()
+            part.backend_sets.iter().filter_map(|(set, _)| part.source_ranges_of(set)).map(Vec::len).sum()
         }
     };
     n as u64
@@ -241,7 +241,7 @@ mod tests {
     use proxy_common::{Addr, BACKEND_READY, IPPROTO_TCP, KIND_CLUSTER_IP, KIND_LOAD_BALANCER, POLICY_CLUSTER, SCOPE_INTERNAL};
 
     use super::*;
-    use crate::model::{DesiredBackend, DesiredFrontend, ServicePortName};
+    use crate::model::{DesiredBackend, DesiredFrontend, DesiredState, ServicePortName};
 
     /// Maps with the given capacities holding what `held` lists.
     #[derive(Default)]
@@ -296,7 +296,7 @@ mod tests {
 
     /// A Service `name` on ClusterIP `vip`:80 with `backends`, and as many
     /// source ranges (on an LB frontend) as `ranges`.
-    fn part(name: &str, vip: &str, backends: &[&str], ranges: usize) -> DesiredState {
+    fn part(name: &str, vip: &str, backends: &[&str], ranges: usize) -> Share {
         let mut d = DesiredState::default();
         let s = set(name);
         d.backend_sets.insert(s.clone(), backends.iter().map(|b| backend(b)).collect());
@@ -307,7 +307,7 @@ mod tests {
             let nets = (0..ranges).map(|i| format!("10.{}.{}.0/24", i / 256, i % 256).parse().unwrap()).collect();
             d.source_ranges.insert(s, nets);
         }
-        d
+        d.into()
     }
 
     #[test]
@@ -349,7 +349,7 @@ mod tests {
         assert_eq!(full.map, ServiceMap::Frontends);
         // d shares b's ClusterIP marker and frontend (a contested key): nothing new there.
         let mut d = part("d", "10.96.0.2", &["10.0.0.2"], 0);
-        d.frontends.values_mut().for_each(|f| f.set = set("d"));
+        d.frontends.iter_mut().for_each(|(_, f)| f.set = set("d"));
         assert_eq!(budget.admit(&d), Ok(()));
     }
 
@@ -358,7 +358,7 @@ mod tests {
         let mut fake = Fake { capacity: HashMap::from([(ServiceMap::SourceRanges, 12), (ServiceMap::Slots, 3)]), ..Default::default() };
         fake.sets.insert("a".into(), (7, 2));
         let p = part("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2", "10.0.0.3"], 12);
-        for net in p.source_ranges.values().flatten().take(10) {
+        for net in p.source_ranges.iter().flat_map(|(_, r)| r).take(10) {
             fake.ranges.insert((7, *net));
         }
         // 10 of its ranges and 2 of its slots held: 2 ranges and 1 slot new, room for both.

@@ -22,7 +22,7 @@ use proxy_common::FrontendKey;
 use crate::{
     capacity::{self, Budget, Full, Unlimited},
     model::{
-        self, BackendSetKey, BackendTuple, DesiredState, ModelConfig, ObjectError, ServiceKey, SkipReason,
+        self, BackendSetKey, BackendTuple, DesiredState, ModelConfig, ObjectError, ServiceKey, Share, SkipReason,
         trigger_times::TriggerTimes,
     },
     precedence::{self, Claim},
@@ -58,7 +58,7 @@ pub enum Update {
 
 /// What one Service's objects gave.
 struct Part {
-    state: DesiredState,
+    share: Share,
     errors: Vec<ObjectError>,
     /// The Service's creationTimestamp, for `precedence`.
     created: Option<Timestamp>,
@@ -67,7 +67,7 @@ struct Part {
 impl Part {
     /// Its claim on a frontend it has.
     fn claim(&self, fk: &FrontendKey) -> Claim<'_> {
-        let fe = &self.state.frontends[fk];
+        let fe = self.share.frontend(fk).expect("a frontend of the part");
         Claim { kind: fe.kind, created: self.created, service: (&fe.set.service.namespace, &fe.set.service.name) }
     }
 }
@@ -297,7 +297,7 @@ impl Model {
             if let Some(svc) = svcs.last() {
                 let (state, part_errors) =
                     model::build_part(service_key, svc, &its_slices, config, zone, &self.desired.service_cidrs);
-                candidates.insert(joined, Part { state, errors: part_errors, created: precedence::created(svc) });
+                candidates.insert(joined, Part { share: state.into(), errors: part_errors, created: precedence::created(svc) });
             }
             if errors.is_empty() {
                 self.key_errors.remove(&key);
@@ -309,10 +309,10 @@ impl Model {
         for (joined, refused) in std::mem::take(&mut self.refused) {
             candidates.insert(joined, refused.part);
         }
-        let everyone_fits = capacity::room_for_all(held, candidates.values().map(|p| &p.state));
+        let everyone_fits = capacity::room_for_all(held, candidates.values().map(|p| &p.share));
         let mut budget = Budget::new(held);
         for (joined, part) in candidates {
-            match if everyone_fits { Ok(()) } else { budget.admit(&part.state) } {
+            match if everyone_fits { Ok(()) } else { budget.admit(&part.share) } {
                 Ok(()) => {
                     self.assert(&joined, &part, &mut touched);
                     self.parts.insert(joined, part);
@@ -330,7 +330,7 @@ impl Model {
     /// first, as in `model::build`.
     fn assert(&mut self, own: &str, part: &Part, touched: &mut Touched) {
         let d = &mut self.desired;
-        for (set, backends) in &part.state.backend_sets {
+        for (set, backends) in &part.share.backend_sets {
             d.backend_sets.insert(set.clone(), backends.clone());
             touched.sets.insert(set.clone());
             for b in backends {
@@ -346,16 +346,16 @@ impl Model {
                 touched.backends.insert(t);
             }
         }
-        for (set, nets) in &part.state.source_ranges {
+        for (set, nets) in &part.share.source_ranges {
             d.source_ranges.insert(set.clone(), nets.clone());
             touched.sets.insert(set.clone());
         }
-        for ip in &part.state.cluster_ips {
+        for ip in &part.share.cluster_ips {
             *self.cluster_ip_claims.entry(*ip).or_default() += 1;
             d.cluster_ips.insert(*ip);
             touched.cluster_ips.insert(*ip);
         }
-        for (fk, fe) in &part.state.frontends {
+        for (fk, fe) in &part.share.frontends {
             *self.frontend_claims.entry(*fk).or_default() += 1;
             touched.frontends.insert(*fk);
             let Some(held) = d.frontends.get(fk) else {
@@ -372,7 +372,7 @@ impl Model {
                 d.frontends.insert(*fk, fe.clone());
             }
         }
-        for (port, check) in &part.state.health_checks {
+        for (port, check) in &part.share.health_checks {
             let claimants = self.health_check_claims.entry(*port).or_default();
             claimants.insert(own.to_string());
             // The first Service by namespace/name holds the port.
@@ -385,7 +385,7 @@ impl Model {
     /// Takes a Service's share away (`own` is its key); it must no longer be in `parts`.
     fn retract(&mut self, own: &str, part: &Part, touched: &mut Touched) {
         let d = &mut self.desired;
-        for (set, backends) in &part.state.backend_sets {
+        for (set, backends) in &part.share.backend_sets {
             d.backend_sets.remove(set);
             touched.sets.insert(set.clone());
             for b in backends {
@@ -406,11 +406,11 @@ impl Model {
                 touched.backends.insert(t);
             }
         }
-        for set in part.state.source_ranges.keys() {
+        for (set, _) in &part.share.source_ranges {
             d.source_ranges.remove(set);
             touched.sets.insert(set.clone());
         }
-        for ip in &part.state.cluster_ips {
+        for ip in &part.share.cluster_ips {
             let n = self.cluster_ip_claims.get_mut(ip).expect("claimed when asserted");
             *n -= 1;
             if *n == 0 {
@@ -419,7 +419,7 @@ impl Model {
             }
             touched.cluster_ips.insert(*ip);
         }
-        for fk in part.state.frontends.keys() {
+        for (fk, fe) in &part.share.frontends {
             touched.frontends.insert(*fk);
             let n = self.frontend_claims.get_mut(fk).expect("claimed when asserted");
             *n -= 1;
@@ -432,22 +432,21 @@ impl Model {
             let claimants = self.contested.get_mut(fk).expect("claimed by more than one");
             claimants.remove(own);
             let held = &d.frontends[fk].set.service;
-            let ours = part.state.frontends[fk].set.service.namespace == held.namespace
-                && part.state.frontends[fk].set.service.name == held.name;
+            let ours = fe.set.service.namespace == held.namespace && fe.set.service.name == held.name;
             if ours {
                 let next = claimants.iter().map(|c| &self.parts[c]).min_by(|a, b| a.claim(fk).cmp(&b.claim(fk))).expect("another claim");
-                d.frontends.insert(*fk, next.state.frontends[fk].clone());
+                d.frontends.insert(*fk, next.share.frontend(fk).expect("its claim").clone());
             }
             if claimants.len() < 2 {
                 self.contested.remove(fk);
             }
         }
-        for port in part.state.health_checks.keys() {
+        for (port, _) in &part.share.health_checks {
             let claimants = self.health_check_claims.get_mut(port).expect("claimed when asserted");
             claimants.remove(own);
             match claimants.first() {
                 Some(next) => {
-                    d.health_checks.insert(*port, self.parts[next].state.health_checks[port].clone());
+                    d.health_checks.insert(*port, self.parts[next].share.health_check(*port).expect("its claim").clone());
                 }
                 None => {
                     self.health_check_claims.remove(port);

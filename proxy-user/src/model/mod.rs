@@ -33,7 +33,7 @@ use proxy_common::FrontendKey;
 pub use self::{
     desired::{
         BackendSetKey, BackendTuple, DesiredBackend, DesiredFrontend, DesiredState, HealthCheck, ServicePortName,
-        backend_states,
+        Share, backend_states,
     },
     endpoints::endpoint_flags,
     group::{
