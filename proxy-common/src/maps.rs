@@ -187,6 +187,9 @@ pub const BACKEND_READY: u8 = 1 << 0;
 pub const BACKEND_SERVING: u8 = 1 << 1;
 pub const BACKEND_TERMINATING: u8 = 1 << 2;
 pub const BACKEND_LOCAL: u8 = 1 << 3;
+/// Every BACKEND_* flag is one of the low BACKEND_FLAG_BITS bits.
+pub const BACKEND_FLAG_BITS: usize = 4;
+const _: () = assert!((BACKEND_READY | BACKEND_SERVING | BACKEND_TERMINATING | BACKEND_LOCAL) >> BACKEND_FLAG_BITS == 0);
 
 #[repr(C)]
 #[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, Default)]

@@ -14,12 +14,13 @@ use std::{
 };
 
 use k8s_openapi::{
-    api::{core::v1::Service, discovery::v1::EndpointSlice},
+    api::core::v1::Service,
     jiff::Timestamp,
 };
-use proxy_common::FrontendKey;
+use proxy_common::{BACKEND_FLAG_BITS, FrontendKey};
 
 use crate::{
+    endpoint_slice::EndpointSlice,
     capacity::{self, Budget, Full, Unlimited},
     model::{
         self, BackendSetKey, BackendTuple, DesiredState, ModelConfig, ObjectError, ServiceKey, Share, SkipReason,
@@ -81,15 +82,26 @@ struct Refused {
 
 /// How many backend sets hold a backend, per flag bit: the union of its
 /// flags is the bits still counted.
+/// (One per backend: only the bits flags use are counted.)
 #[derive(Default)]
 struct FlagCounts {
     sets: u32,
-    bits: [u32; 8],
+    bits: [u32; BACKEND_FLAG_BITS],
 }
 
 impl FlagCounts {
+    fn add(&mut self, flags: u8) {
+        self.sets += 1;
+        (0..BACKEND_FLAG_BITS).filter(|b| flags & (1 << b) != 0).for_each(|b| self.bits[b] += 1);
+    }
+
+    fn remove(&mut self, flags: u8) {
+        self.sets -= 1;
+        (0..BACKEND_FLAG_BITS).filter(|b| flags & (1 << b) != 0).for_each(|b| self.bits[b] -= 1);
+    }
+
     fn union(&self) -> u8 {
-        (0..8).filter(|b| self.bits[*b] > 0).fold(0, |acc, b| acc | (1 << b))
+        (0..BACKEND_FLAG_BITS).filter(|b| self.bits[*b] > 0).fold(0, |acc, b| acc | (1 << b))
     }
 }
 
@@ -336,12 +348,7 @@ impl Model {
             for b in backends {
                 let t = (b.addr, b.port, b.proto);
                 let counts = self.backend_claims.entry(t).or_default();
-                counts.sets += 1;
-                for bit in 0..8 {
-                    if b.flags & (1 << bit) != 0 {
-                        counts.bits[bit] += 1;
-                    }
-                }
+                counts.add(b.flags);
                 d.backends.insert(t, counts.union());
                 touched.backends.insert(t);
             }
@@ -391,12 +398,7 @@ impl Model {
             for b in backends {
                 let t = (b.addr, b.port, b.proto);
                 let counts = self.backend_claims.get_mut(&t).expect("claimed when asserted");
-                counts.sets -= 1;
-                for bit in 0..8 {
-                    if b.flags & (1 << bit) != 0 {
-                        counts.bits[bit] -= 1;
-                    }
-                }
+                counts.remove(b.flags);
                 if counts.sets == 0 {
                     self.backend_claims.remove(&t);
                     d.backends.remove(&t);

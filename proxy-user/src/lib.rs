@@ -9,6 +9,7 @@ pub mod cli;
 pub mod clsact;
 pub mod dump;
 pub mod endpoint_ips;
+pub mod endpoint_slice;
 pub mod health;
 pub mod healthcheck;
 pub mod http_server;

@@ -5,10 +5,11 @@ use std::{fmt, path::Path, sync::Arc};
 
 use k8s_openapi::api::{
     core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
     networking::v1::ServiceCIDR,
 };
 use serde::Deserialize;
+
+use crate::endpoint_slice::EndpointSlice;
 
 /// The objects ebpf-proxy reads. Other kinds are ignored (a manifests
 /// directory may well hold Deployments next to Services).

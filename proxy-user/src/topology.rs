@@ -17,7 +17,9 @@
 
 use std::collections::BTreeSet;
 
-use k8s_openapi::api::{core::v1::Node, discovery::v1::Endpoint};
+use k8s_openapi::api::core::v1::Node;
+
+use crate::endpoint_slice::Endpoint;
 
 /// The Node label that names its zone.
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
@@ -36,7 +38,7 @@ pub struct Hints {
 
 impl Hints {
     pub fn of(ep: &Endpoint) -> Hints {
-        let h = ep.hints.as_ref();
+        let h = ep.hints.as_deref();
         Hints {
             zones: h.and_then(|h| h.for_zones.as_ref()).into_iter().flatten().map(|z| z.name.clone()).collect(),
             nodes: h.and_then(|h| h.for_nodes.as_ref()).into_iter().flatten().map(|n| n.name.clone()).collect(),

@@ -444,7 +444,7 @@ fn slice_ips(s: &Snapshot, name: &str) -> Vec<String> {
     s.slices
         .iter()
         .filter(|x| x.metadata.name.as_deref() == Some(name))
-        .flat_map(|x| x.endpoints.iter().flat_map(|e| e.addresses.clone()))
+        .flat_map(|x| x.endpoints.iter().filter_map(|e| e.address.as_deref().map(String::from)))
         .collect()
 }
 

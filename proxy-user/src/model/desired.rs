@@ -97,7 +97,7 @@ impl From<DesiredState> for Share {
     fn from(part: DesiredState) -> Share {
         // A BTreeMap iterates in key order, so each vector is sorted.
         Share {
-            backend_sets: part.backend_sets.into_iter().collect(),
+            backend_sets: part.backend_sets.into_iter().map(|(set, backends)| (set, fit(backends))).collect(),
             frontends: part.frontends.into_iter().collect(),
             cluster_ips: part.cluster_ips.into_iter().collect(),
             source_ranges: part.source_ranges.into_iter().collect(),
@@ -118,6 +118,12 @@ impl Share {
     pub fn health_check(&self, port: u16) -> Option<&HealthCheck> {
         find(&self.health_checks, &port)
     }
+}
+
+/// Categorizing collects backends into vectors grown by doubling.
+fn fit<T>(mut v: Vec<T>) -> Vec<T> {
+    v.shrink_to_fit();
+    v
 }
 
 fn find<'a, K: Ord, V>(sorted: &'a [(K, V)], key: &K) -> Option<&'a V> {

@@ -8,7 +8,6 @@ use std::{
 };
 
 use ipnet::IpNet;
-use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use proxy_common::{
     BACKEND_LOCAL, BACKEND_READY, BACKEND_SERVING, BACKEND_TERMINATING, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
 };
@@ -16,6 +15,7 @@ use proxy_common::{
 use super::{DesiredBackend, ModelConfig, ObjectError, SkipReason};
 use crate::{
     endpoint_ips,
+    endpoint_slice::{Endpoint, EndpointSlice},
     topology::{self, Hints},
 };
 
@@ -92,7 +92,7 @@ pub(super) fn select_endpoints(
             continue;
         };
         for ep in &slice.endpoints {
-            let Some(addr) = ep.addresses.first() else { continue };
+            let Some(addr) = ep.address.as_deref() else { continue };
             // A bad address is reported once, not once per service port.
             let mut skip = |why: SkipReason, reason: String| {
                 let error = ObjectError::slice(slice, why, reason);

@@ -5,10 +5,7 @@
 use std::{collections::BTreeSet, net::IpAddr, sync::Arc};
 
 use ipnet::IpNet;
-use k8s_openapi::api::{
-    core::v1::{LoadBalancerIngress, Service, ServiceSpec},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::core::v1::{LoadBalancerIngress, Service, ServiceSpec};
 use proxy_common::{
     Addr, BACKEND_LOCAL, BACKEND_READY, FrontendKey, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER,
     KIND_NODE_PORT, POLICY_CLUSTER, POLICY_LOCAL, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
@@ -20,7 +17,7 @@ use super::{
     SkipReason,
     endpoints::{categorize, endpoint_flags, protocol_of, select_endpoints},
 };
-use crate::{endpoint_ips, precedence};
+use crate::{endpoint_ips, endpoint_slice::EndpointSlice, precedence};
 
 /// kube-proxy's default for sessionAffinityConfig.clientIP.timeoutSeconds.
 pub(super) const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
@@ -321,7 +318,7 @@ fn health_check(spec: &ServiceSpec, slices: &[&EndpointSlice], config: &ModelCon
         // Ready only: a node with nothing but terminating endpoints must fail the check.
         let flags = endpoint_flags(ep, config);
         if flags & BACKEND_READY != 0 && flags & BACKEND_LOCAL != 0 {
-            let addr = ep.addresses.first().and_then(|a| a.parse::<IpAddr>().ok());
+            let addr = ep.address.as_deref().and_then(|a| a.parse::<IpAddr>().ok());
             local.extend(addr.filter(|ip| endpoint_ips::refused(*ip, ctx.service_cidrs).is_none()));
         }
     }

@@ -5,10 +5,10 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::core::v1::Service;
 
 use super::{ObjectError, SkipReason};
-use crate::source::Snapshot;
+use crate::{endpoint_slice::EndpointSlice, source::Snapshot};
 
 /// The label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -53,7 +53,7 @@ pub fn group(snapshot: &Snapshot) -> Grouped<'_> {
 /// The key of the Service a slice belongs to, from its label.
 pub fn slice_owner(slice: &EndpointSlice) -> Option<ServiceKey<'_>> {
     let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
-    slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL)).map(|svc| (ns, svc.as_str()))
+    slice.service_name.as_deref().map(|svc| (ns, svc))
 }
 
 pub fn service_key(svc: &Service) -> ServiceKey<'_> {

@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use crate::endpoint_slice::EndpointSlice;
 
 /// The kind of object a problem is in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

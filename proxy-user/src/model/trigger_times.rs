@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use crate::endpoint_slice::EndpointSlice;
 
 /// The annotation the endpoints controller sets to when the change it
 /// reflects happened (network programming latency starts there).
@@ -24,7 +24,7 @@ pub struct TriggerTimes {
 impl TriggerTimes {
     /// A slice that is new or changed since the last snapshot.
     pub fn changed(&mut self, slice: &EndpointSlice) {
-        let Some(t) = slice.metadata.annotations.as_ref().and_then(|a| a.get(TRIGGER_TIME_ANNOTATION)) else { return };
+        let Some(t) = slice.trigger_time.as_deref() else { return };
         let Ok(t) = DateTime::parse_from_rfc3339(t).map(|t| t.with_timezone(&Utc)) else { return };
         if self.last.insert(key(slice), t) != Some(t) {
             self.fresh.push(t);

@@ -16,7 +16,6 @@ use futures::{Stream, StreamExt};
 use k8s_openapi::{
     api::{
         core::v1::{Node, NodeSpec, Service},
-        discovery::v1::EndpointSlice,
         networking::v1::ServiceCIDR,
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
@@ -32,6 +31,8 @@ use kube::{
     },
 };
 use tracing::{debug, info, warn};
+
+use crate::endpoint_slice::EndpointSlice;
 
 use super::{
     Snapshot, SnapshotSender, Source,

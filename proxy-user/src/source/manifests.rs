@@ -126,7 +126,7 @@ impl DirState {
 pub fn ours(mut objects: Vec<Object>) -> Vec<Object> {
     objects.retain(|obj| match obj {
         Object::Service(s) => kube::is_ours(s.metadata.labels.as_ref()),
-        Object::EndpointSlice(s) => kube::is_ours(s.metadata.labels.as_ref()),
+        Object::EndpointSlice(s) => s.ours,
         // The selector is for Services and slices; the API source lists these unfiltered.
         Object::Node(_) | Object::ServiceCIDR(_) => true,
     });

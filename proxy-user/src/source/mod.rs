@@ -10,12 +10,11 @@ use std::sync::Arc;
 
 use k8s_openapi::api::{
     core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
     networking::v1::ServiceCIDR,
 };
 use tokio::sync::watch;
 
-use crate::manifest::Object;
+use crate::{endpoint_slice::EndpointSlice, manifest::Object};
 
 /// Objects are shared (`Arc`) between the source, successive snapshots and
 /// the model, so publishing a snapshot copies no object, and the model can
