@@ -4,6 +4,9 @@
 //! ClusterIP:port, live manifest changes, a veth that appears after the agent
 //! started, and a bad manifest that is reported while service continues.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     collections::BTreeSet,
     net::{Ipv4Addr, SocketAddr},
@@ -15,7 +18,6 @@ use proxy_tests::{
     agent::{Agent, dumped_backends, tc_attached, wait_until},
     bpffs::Bpffs,
     echo::{EchoServer, Reply, tcp_request, udp_request},
-    is_root,
     manifests::{TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET, echo_service},
     netns::Netns,
     topology::Node,
@@ -58,8 +60,8 @@ fn names(list: &[&str]) -> BTreeSet<String> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn cluster_ip_reaches_every_backend_and_follows_manifest_changes() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new("cip")?;
     let client = node.add_pod("client", Ipv4Addr::new(10, 244, 0, 2))?;
     let b1 = node.add_pod("backend-1", backend_ip(1))?;

@@ -7,6 +7,9 @@
 //! unallocated service-CIDR address, hairpin and ClientIP affinity.
 //! Multi-node behaviour is in the conformance suite.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     collections::BTreeSet,
     io::ErrorKind,
@@ -19,7 +22,6 @@ use proxy_tests::{
     agent::{Agent, dump_json, trace_json},
     bpffs::Bpffs,
     echo::{EchoServer, Reply, tcp_request_from, udp_request_connected},
-    is_root,
     netns::Netns,
     topology::Node,
 };
@@ -120,8 +122,8 @@ fn set(items: &[&str]) -> BTreeSet<String> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn node_port_external_ip_load_balancer_and_verdicts() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new("kinds")?;
     let pod = node.add_pod("client", Ipv4Addr::new(10, 244, 0, 2))?;
     let b1 = node.add_pod("b1", Ipv4Addr::new(10, 244, 0, 11))?;
