@@ -6,6 +6,10 @@
 //! Every resource is named with a per-run suffix, so two runs never collide,
 //! and removed on drop, so a failing test leaves nothing behind.
 
+// libtest's runner API, for harness.rs (the toolchain is a pinned nightly).
+#![feature(test)]
+extern crate test;
+
 pub mod agent;
 pub mod bench;
 pub mod bpf_ids;
@@ -18,6 +22,7 @@ pub mod fixture;
 pub mod flood;
 pub mod flows;
 pub mod frames;
+pub mod harness;
 pub mod hooks;
 pub mod kapisrv;
 pub mod manifests;

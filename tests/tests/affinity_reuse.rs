@@ -8,6 +8,9 @@
 //! kube-proxy keeps such a client on its own Service's endpoints; so must
 //! we. Real sockets, the agent binary, one node. Needs root.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, SocketAddr},
@@ -20,7 +23,6 @@ use proxy_tests::{
     agent::{Agent, dump_json, dumped_backends, wait_until},
     bpffs::Bpffs,
     echo::{EchoServer, tcp_request_from},
-    is_root,
     netns::Netns,
     topology::Node,
 };
@@ -93,8 +95,8 @@ fn only(seen: &BTreeMap<String, usize>, backend: &str) -> bool {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn a_sticky_client_stays_on_its_service_when_its_backend_id_is_reused() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let (a1_ip, a2_ip, b1_ip) = (Ipv4Addr::new(10, 244, 1, 11), Ipv4Addr::new(10, 244, 1, 12), Ipv4Addr::new(10, 244, 1, 21));
     let (a_vip, b_vip) = (Ipv4Addr::new(10, 96, 0, 20), Ipv4Addr::new(10, 96, 0, 21));
     let mut node = Node::new("affid")?;
@@ -136,8 +138,8 @@ fn a_sticky_client_stays_on_its_service_when_its_backend_id_is_reused() -> Resul
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn a_sticky_client_inherits_nothing_through_a_reused_service_id() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let (p1_ip, p3_ip) = (Ipv4Addr::new(10, 244, 1, 31), Ipv4Addr::new(10, 244, 1, 33));
     let (a_vip, c_vip, d_vip) = (Ipv4Addr::new(10, 96, 0, 30), Ipv4Addr::new(10, 96, 0, 33), Ipv4Addr::new(10, 96, 0, 32));
     let mut node = Node::new("affsvc")?;

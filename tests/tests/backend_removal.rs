@@ -8,6 +8,9 @@
 //! address and a removal that bypassed `del_backend` (not seen until the
 //! epoch moves). Needs root (BPF).
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use anyhow::{Context, Result, ensure};
 use etherparse::{PacketBuilder, SlicedPacket, TransportSlice};
 use proxy_common::*;
@@ -77,6 +80,7 @@ fn send(fx: &Fixture) -> Result<([u8; 4], Vec<&'static str>)> {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn removed_backend_flow_moves_on_its_next_packet() -> Result<()> {
     let mut fx = Fixture::new("backend-removal", install)?;
     assert_eq!(send(&fx)?, (FIRST, names(&[Counter::NewFlow])), "first datagram: a new flow to the only endpoint");
@@ -96,6 +100,7 @@ fn removed_backend_flow_moves_on_its_next_packet() -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn reused_backend_id_for_another_address_rebalances_the_flow() -> Result<()> {
     let mut fx = Fixture::new("backend-reuse", install)?;
     assert_eq!(send(&fx)?.0, FIRST);
@@ -108,6 +113,7 @@ fn reused_backend_id_for_another_address_rebalances_the_flow() -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn removal_is_seen_when_the_epoch_moves() -> Result<()> {
     let mut fx = Fixture::new("backend-epoch", install)?;
     assert_eq!(send(&fx)?.0, FIRST);

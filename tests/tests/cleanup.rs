@@ -5,6 +5,9 @@
 //! qdisc, a directory on the bpffs, even inside our root) stays; a second
 //! run is a no-op that says so.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{collections::BTreeSet, net::Ipv4Addr, path::Path, time::Duration};
 
 use anyhow::Result;
@@ -17,7 +20,6 @@ use proxy_tests::{
     bpf_ids,
     bpffs::Bpffs,
     hooks,
-    is_root,
     manifests::echo_service,
     netns::Netns,
 };
@@ -104,8 +106,8 @@ fn describe(maps: &[MapInfo]) -> String {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn cleanup_leaves_nothing_of_ours_and_everything_else() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = proxy_tests::topology::Node::new("clean")?;
     let pods: Vec<_> = (0..3u8).map(|i| node.add_pod(&format!("p{i}"), Ipv4Addr::new(10, 244, 0, 10 + i))).collect::<Result<_>>()?;
     // Someone else's: a clsact qdisc on one veth and a directory on the bpffs.

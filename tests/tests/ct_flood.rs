@@ -7,6 +7,9 @@
 //! unconfirmed table and evict only each other. Then more answered flows
 //! than the confirmed table holds: its evictions are counted.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream, UdpSocket},
     time::Duration,
@@ -18,7 +21,6 @@ use proxy_tests::{
     bpffs::Bpffs,
     flood::spoofed_syns,
     flows::{RawEcho, SteadyFlows, echo_round_trip},
-    is_root,
     manifests::{TCP_TARGET, UDP_TARGET, echo_node_port_service},
     topology::Node,
 };
@@ -39,8 +41,8 @@ const TIMEOUT: Duration = Duration::from_secs(20);
 const STEP: u64 = 50;
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn spoofed_syn_flood_evicts_no_live_flow_and_evictions_are_counted() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new("ctfl")?;
     let b1 = node.add_pod("backend-1", Ipv4Addr::new(10, 244, 0, 11))?;
     let b2 = node.add_pod("backend-2", Ipv4Addr::new(10, 244, 0, 12))?;

@@ -8,6 +8,9 @@
 //! agent's measured use, a request to match, and the runtime's default
 //! seccomp filter.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     collections::BTreeSet,
     net::Ipv4Addr,
@@ -28,7 +31,6 @@ use k8s_openapi::{
 use proxy_tests::{
     agent::{Agent, tc_attached},
     bpffs::Bpffs,
-    is_root,
     manifests::echo_service,
     topology::Node,
 };
@@ -329,8 +331,8 @@ fn agent_works_with(caps: &[String]) -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn daemon_set_capabilities_are_enough_and_each_is_needed() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let d = load_deploy()?;
     let caps = added_caps(container(one(&d.daemon_sets, "DaemonSet")?)?)?;
     agent_works_with(&caps).context("the agent with the DaemonSet's capabilities")?;

@@ -4,6 +4,9 @@
 //! states (ready, serving, terminating, local), conntrack rows with age and service after real traffic, as a
 //! table and as JSON, and the same answers with the agent stopped.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     net::{Ipv4Addr, SocketAddr},
     path::Path,
@@ -16,7 +19,6 @@ use proxy_tests::{
     agent::{Agent, agent_bin, wait_until},
     bpffs::Bpffs,
     echo::{EchoServer, tcp_request, udp_request},
-    is_root,
     topology::Node,
 };
 use serde_json::{Value, json};
@@ -173,8 +175,8 @@ fn assert_services(dumped: &Value, when: &str) {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn dump_shows_names_states_and_flows_with_the_agent_running_and_stopped() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new("dump")?;
     let client = node.add_pod("client", CLIENT)?;
     let here = node.add_pod("here", HERE)?;

@@ -9,6 +9,9 @@
 //!
 //! Run with `-- --nocapture` to see the result tables. Needs root (BPF).
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use etherparse::{
     IpHeaders, IpNumber, Ipv4Header, Ipv4Options, NetHeaders, PacketBuilder, PacketHeaders, TcpHeader,
     TransportHeader, icmpv4::DestUnreachableHeader, Icmpv4Type,
@@ -747,12 +750,14 @@ fn untouched_cases() -> Vec<Case> {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn translation_fixtures() {
     let fx = Fixture::new("fixtures-xlate", install_services).unwrap();
     run_table(&fx, "translation", translation_cases(), recheck_checksums, field);
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn handshake_fixtures() {
     let mut fx = Fixture::new("fixtures-handshake", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
@@ -760,6 +765,7 @@ fn handshake_fixtures() {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn verdict_fixtures() {
     let mut fx = Fixture::new("fixtures-verdict", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
@@ -767,6 +773,7 @@ fn verdict_fixtures() {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn closed_port_reuse_fixtures() {
     let mut fx = Fixture::new("fixtures-snat-reuse", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
@@ -775,6 +782,7 @@ fn closed_port_reuse_fixtures() {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn unanswered_port_fixtures() {
     let mut fx = Fixture::new("fixtures-unanswered", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
@@ -784,6 +792,7 @@ fn unanswered_port_fixtures() {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn full_snat_range_fixtures() {
     let mut fx = Fixture::new("fixtures-snat-full", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
@@ -792,6 +801,7 @@ fn full_snat_range_fixtures() {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn node_socket_fixtures() {
     let mut fx = Fixture::new("fixtures-snat-socket", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
@@ -803,6 +813,7 @@ fn node_socket_fixtures() {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn untouched_fixtures() {
     let fx = Fixture::new("fixtures-untouched", install_services).unwrap();
     run_table(&fx, "left untouched", untouched_cases(), recheck_checksums, field);
@@ -816,6 +827,7 @@ fn untouched_fixtures() {
 /// The clock runs while the fixture does, so the bound on answers grows
 /// with the time the runs took.
 #[test]
+#[ignore = "needs root (BPF)"]
 fn reject_rate_limit_fixtures() {
     use proxy_common::reject_limit::{REJECT_BURST, REJECTS_PER_SEC};
     let fx = Fixture::new("fixtures-reject-limit", install_services).unwrap();

@@ -16,6 +16,9 @@
 //!
 //! Run with `-- --nocapture` to see the tables. Needs root (BPF).
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use proxy_common::*;
@@ -207,6 +210,7 @@ fn field(off: usize) -> &'static str {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn fragment_fixtures() {
     let fx = Fixture::new("fragment", |m| {
         for n in [&V4, &V6] {

@@ -13,6 +13,9 @@
 //!   the upload stalls for good (the hang guard below turns that into a
 //!   failure).
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     io::{Read, Write},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream},
@@ -24,7 +27,6 @@ use proxy_tests::{
     agent::Agent,
     bpffs::Bpffs,
     echo::{expect_refused, udp_request_connected},
-    is_root,
     manifests::{echo_node_port_service, one_port_service},
     topology::Node,
 };
@@ -55,8 +57,8 @@ fn service(name: &str, vip: IpAddr, port: u16, target: u16, proto: &str, backend
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn a_udp_client_of_a_cluster_ip_whose_backend_port_is_closed_is_refused() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new("icmpref")?;
     let client = node.add_pod("client", CLIENT)?;
     let client6 = node.add_pod("client6", CLIENT6)?;
@@ -85,8 +87,8 @@ fn a_udp_client_of_a_cluster_ip_whose_backend_port_is_closed_is_refused() -> Res
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn an_external_udp_client_of_a_node_port_whose_backend_port_is_closed_is_refused() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 79, 1);
     const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 79, 2);
     const UDP_NODE_PORT: u16 = 30053;
@@ -147,8 +149,8 @@ fn upload(ns: &proxy_tests::netns::Netns, to: SocketAddr) -> Result<usize> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn an_upload_to_a_cluster_ip_behind_a_smaller_mtu_finds_the_path_mtu() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new("icmpmtu")?;
     let client = node.add_pod("client", CLIENT)?;
     let client6 = node.add_pod("client6", CLIENT6)?;

@@ -13,6 +13,9 @@
 //!
 //! Run with `-- --nocapture` to see the tables. Needs root (BPF).
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use proxy_common::*;
@@ -288,6 +291,7 @@ fn field(off: usize) -> &'static str {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn icmp_error_fixtures() {
     let fx = Fixture::new("icmp", |m| {
         for n in [&V4, &V6] {

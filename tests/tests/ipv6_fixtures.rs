@@ -7,6 +7,9 @@
 //!
 //! Run with `-- --nocapture` to see the result tables. Needs root (BPF).
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::net::Ipv6Addr;
 
 use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TcpHeader, TransportHeader, icmpv6::DestUnreachableCode, Icmpv6Type};
@@ -233,6 +236,7 @@ fn untouched_cases() -> Vec<Case> {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn ipv6_translation_fixtures() {
     let fx = fixture("ipv6-fixtures-xlate");
     run_table(&fx, "IPv6 translation", translation_cases(), recheck_checksums, field);
@@ -324,6 +328,7 @@ fn masquerade_cases() -> Vec<Case> {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn ipv6_masquerade_fixtures() {
     let mut fx = fixture("ipv6-fixtures-masq");
     let snat = [(0, std::net::IpAddr::from(NODE_IP4)), (SNAT_ADDR_IPV6, NODE_IP6.parse().unwrap())].into_iter().collect();
@@ -337,6 +342,7 @@ fn ipv6_masquerade_fixtures() {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn ipv6_untouched_fixtures() {
     let fx = fixture("ipv6-fixtures-untouched");
     run_table(&fx, "IPv6 left untouched", untouched_cases(), recheck_checksums, field);

@@ -5,6 +5,9 @@
 //! served port still reaches its endpoint; `ebpf-proxy trace` on IPv6
 //! addresses says the same.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     io::ErrorKind,
     net::{Ipv6Addr, SocketAddr},
@@ -16,7 +19,6 @@ use proxy_tests::{
     agent::{Agent, trace_json},
     bpffs::Bpffs,
     echo::{EchoServer, tcp_request_from, udp_request_connected},
-    is_root,
     topology::Node,
 };
 
@@ -55,8 +57,8 @@ fn v6(s: &str) -> Ipv6Addr {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn ipv6_service_without_endpoints_is_rejected() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new("reject6")?;
     let client = node.add_pod("client", v6("fd00:244::2"))?;
     let backend = node.add_pod("b1", v6("fd00:244::11"))?;

@@ -13,6 +13,9 @@
 //!   resume within a second). The time from that change to traffic is
 //!   printed; the test only waits for it, with a generous deadline.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     collections::BTreeSet,
     net::{Ipv4Addr, SocketAddr},
@@ -24,7 +27,6 @@ use proxy_tests::{
     agent::{Agent, wait_until},
     bpffs::Bpffs,
     echo::{EchoServer, tcp_request, tcp_request_from},
-    is_root,
     kapisrv::{Kapisrv, etcd_delete},
     patience,
     topology::{Node, Pod},
@@ -126,8 +128,8 @@ fn start_agent(w: &World, api: &Kapisrv, bpffs: &Bpffs) -> Result<Agent> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn agent_serves_and_follows_what_the_kubernetes_api_says() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let w = World::new("kapi", 3)?;
     let api = Kapisrv::start(Some(&w.node.ns))?;
     api.apply(node_object())?;
@@ -180,8 +182,8 @@ fn agent_serves_and_follows_what_the_kubernetes_api_says() -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn a_relist_after_410_gone_drops_what_was_deleted_meanwhile() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let w = World::new("kgap", 3)?;
     let api = Kapisrv::start(Some(&w.node.ns))?;
     api.apply(node_object())?;
@@ -215,8 +217,8 @@ fn a_relist_after_410_gone_drops_what_was_deleted_meanwhile() -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn changes_reach_traffic_after_an_api_outage() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let w = World::new("kout", 3)?;
     let api = Kapisrv::start(Some(&w.node.ns))?;
     api.apply(node_object())?;

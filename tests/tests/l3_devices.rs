@@ -16,6 +16,9 @@
 //! - a restarted agent adopts the L3 copy's programs in place, and
 //!   `cleanup` removes them with the rest.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
@@ -28,7 +31,7 @@ use proxy_tests::{
     bpffs::Bpffs,
     cgroup::Cgroup,
     echo::{EchoServer, expect_refused, tcp_request, tcp_request_from, udp_request, udp_request_connected},
-    is_root, patience,
+    patience,
     manifests::{TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET, echo_node_port_service, one_port_service},
     netns::Netns,
     topology::{Node, Pod},
@@ -181,8 +184,8 @@ fn unspecified(ip: IpAddr) -> IpAddr {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn an_external_client_on_an_l3_uplink_reaches_a_node_port() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let world = World::new("l3up")?;
     let logs = || world.agent().logs();
 
@@ -211,8 +214,8 @@ fn an_external_client_on_an_l3_uplink_reaches_a_node_port() -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn a_pod_behind_an_l3_device_reaches_cluster_ips() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let world = World::new("l3pod")?;
     let logs = || world.agent().logs();
     assert!(tc_attached(&world.node.ns, &world.pod_link)?, "{} not attached:\n{}", world.pod_link, logs());
@@ -237,8 +240,8 @@ fn a_pod_behind_an_l3_device_reaches_cluster_ips() -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn rejects_go_back_out_of_an_l3_device() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let world = World::new("l3rej")?;
     for vip in [IpAddr::from(EMPTY_VIP), IpAddr::from(EMPTY_VIP6)] {
         let tcp = SocketAddr::new(vip, 80);
@@ -255,8 +258,8 @@ fn rejects_go_back_out_of_an_l3_device() -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn an_interface_of_another_link_type_is_left_alone() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let world = World::new("l3odd")?;
     let odd = format!("{}ib0", world.node.prefix);
     assert!(!tc_attached(&world.node.ns, &odd)? && !tc_attached_egress(&world.node.ns, &odd)?, "{odd} got programs");
@@ -269,8 +272,8 @@ fn an_interface_of_another_link_type_is_left_alone() -> Result<()> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn a_restart_adopts_the_l3_programs_and_cleanup_removes_them() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut world = World::new("l3restart")?;
     let vip = SocketAddr::from((VIP, TCP_PORT));
     tcp_request(&world.l3_pod, vip).with_context(|| world.agent().logs())?;

@@ -3,6 +3,9 @@
 //! IDs and conntrack, and `ebpf-proxy cleanup` removes every program link and
 //! pin of ours, after which the ClusterIP is no longer translated.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{net::{Ipv4Addr, SocketAddr}, time::Duration};
 
 use anyhow::{Context, Result};
@@ -10,7 +13,6 @@ use proxy_tests::{
     agent::{Agent, agent_bin, dump_json, tc_attached, tc_attached_egress},
     bpffs::Bpffs,
     echo::{EchoServer, tcp_request, udp_request},
-    is_root,
     manifests::{TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET, echo_service},
     topology::Node,
 };
@@ -19,8 +21,8 @@ const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn sigterm_keeps_serving_restart_adopts_and_cleanup_removes_everything() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new("life")?;
     let client = node.add_pod("client", Ipv4Addr::new(10, 244, 0, 2))?;
     let backend = node.add_pod("backend-1", Ipv4Addr::new(10, 244, 0, 11))?;

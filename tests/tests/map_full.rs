@@ -9,6 +9,9 @@
 //! by smaller ones, an agent restarted with other flags keeps the pinned
 //! size, and after `cleanup` the new size holds.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     net::{Ipv4Addr, SocketAddr},
     time::Duration,
@@ -20,7 +23,6 @@ use proxy_tests::{
     agent::{Agent, agent_bin, dumped_backends, healthz_status, wait_until},
     bpffs::Bpffs,
     echo::{EchoServer, tcp_request},
-    is_root,
     manifests::{TCP_PORT, TCP_TARGET, UDP_TARGET, echo_service},
     topology::Node,
 };
@@ -61,8 +63,8 @@ fn skip_lines(logs: &str) -> Vec<String> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn a_service_too_big_for_a_map_is_skipped_and_everything_else_served() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     assert!((RANGES * PORTS) as u64 > u64::from(MAX_SOURCE_RANGES));
     let mut node = Node::new("full")?;
     let client = node.add_pod("client", Ipv4Addr::new(10, 244, 0, 2))?;
@@ -132,8 +134,8 @@ fn a_service_too_big_for_a_map_is_skipped_and_everything_else_served() -> Result
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn service_map_entries_sizes_the_maps_and_the_pinned_size_stays_until_cleanup() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     // 1024 entries: SOURCE_RANGES gets 64, fewer than one port of demo/big needs.
     const SMALL: u32 = 1024;
     let small_ranges = SMALL / proxy_common::SOURCE_RANGES_SHARE;

@@ -4,6 +4,9 @@
 //! object is counted by kind and reason; a slice's change shows in the
 //! network programming latency.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, SocketAddr, TcpStream},
@@ -15,7 +18,6 @@ use proxy_tests::{
     agent::{Agent, dump_json},
     bpffs::Bpffs,
     echo::{EchoServer, tcp_request, udp_request},
-    is_root,
     manifests::{TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET, echo_service},
     topology::Node,
 };
@@ -41,8 +43,8 @@ fn get(m: &BTreeMap<String, f64>, series: &str) -> Result<f64> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn scrape_shows_map_fill_and_verdicts_moving_with_traffic() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new("metr")?;
     let client = node.add_pod("client", Ipv4Addr::new(10, 244, 0, 2))?;
     let backend = node.add_pod("backend-1", Ipv4Addr::new(10, 244, 0, 11))?;

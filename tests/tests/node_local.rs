@@ -15,6 +15,9 @@
 //! network namespace is known by SO_NETNS_COOKIE, or on older kernels by a
 //! probe socket of the agent's; both ways are tested.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     collections::BTreeSet,
     net::{Ipv4Addr, Ipv6Addr, SocketAddr},
@@ -27,7 +30,6 @@ use proxy_tests::{
     bpffs::Bpffs,
     cgroup::Cgroup,
     echo::EchoServer,
-    is_root,
     netns::Netns,
     topology::{External, Node, Pod},
 };
@@ -105,8 +107,8 @@ fn probe_from(cg: &Cgroup, node: &Netns, proto: &str, to: &str, source: Option<&
 }
 
 #[test]
+#[ignore = "needs root (network namespaces, cgroups and BPF)"]
 fn node_processes_reach_services_through_the_socket_hooks() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces, cgroups and BPF)");
     let world = World::new("nodelocal")?;
     let node = &world.node;
     let cg = Cgroup::new("nodelocal")?;
@@ -207,8 +209,8 @@ fn backends_answering(cg: &Cgroup, ns: &Netns, agent: &Agent, proto: &str, to: &
 /// the node's address, both through the route to the service CIDR and to a
 /// NodePort on the node's own address (loopback's egress).
 #[test]
+#[ignore = "needs root (network namespaces, cgroups and BPF)"]
 fn node_processes_reach_ipv6_services_through_the_socket_hooks() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces, cgroups and BPF)");
     let mut node = Node::new("nodelocal6")?;
     // The node's own IPv6 address: the source its processes reach pods from.
     node.ns.ip(&["addr", "add", "2001:db8::2/128", "dev", "lo", "nodad"])?;
@@ -268,8 +270,8 @@ fn node_processes_reach_ipv6_services_through_the_socket_hooks() -> Result<()> {
 /// The node's processes are still translated. Run with the node's netns
 /// known by SO_NETNS_COOKIE and by the older kernels' probe socket.
 #[test]
+#[ignore = "needs root (network namespaces, cgroups and BPF)"]
 fn pods_under_the_hooks_are_left_to_tc() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces, cgroups and BPF)");
     for how in ["SO_NETNS_COOKIE", "probe"] {
         pods_left_to_tc(how).with_context(|| format!("node netns learned by {how}"))?;
     }

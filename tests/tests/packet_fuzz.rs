@@ -26,6 +26,9 @@
 //! `PROPTEST_CASES=N` runs N cases instead of 20000; `PROPTEST_RNG_SEED=S`
 //! replays a run. Needs root (BPF).
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{cell::RefCell, time::Instant};
 
 use etherparse::{IpNumber, PacketBuilder, TcpHeader, UdpHeader};
@@ -848,6 +851,7 @@ fn cases() -> u32 {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn packet_path_never_mistranslates() {
     let fx = RefCell::new(fixture());
     let tally = RefCell::new(Tally::default());

@@ -7,6 +7,9 @@
 //! (an atomic link update, never a detach and re-attach). An upgrade across
 //! a change of map layout is refused with the way out, pins left alone.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     net::{Ipv4Addr, SocketAddr},
     path::Path,
@@ -19,7 +22,6 @@ use proxy_tests::{
     agent::{Agent, agent_bin},
     bpffs::Bpffs,
     flows::{RawEcho, SteadyFlows},
-    is_root,
     manifests::{TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET, echo_node_port_service},
     netns::Netns,
     topology::{Node, Pod},
@@ -70,8 +72,8 @@ fn swapped_in_place(before: &[(String, u32, Vec<u32>)], after: &[(String, u32, V
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn flows_survive_sigkill_restart_and_upgrade() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new("rst")?;
     let client = node.add_pod("client", Ipv4Addr::new(10, 244, 0, 2))?;
     // Two backends: a restart that lost conntrack would move the TCP stream
@@ -160,10 +162,10 @@ fn flows_survive_sigkill_restart_and_upgrade() -> Result<()> {
 /// the way out, and leave the pins as they were (they still serve the old
 /// build's connections).
 #[test]
+#[ignore = "needs root (bpffs and BPF)"]
 fn a_pinned_map_of_another_layout_is_refused_with_the_way_out() -> Result<()> {
     use proxy_common::{MAP_CONNTRACK, MAP_SNAT_ADDRS};
 
-    assert!(is_root(), "needs root (bpffs and BPF)");
     let bpffs = Bpffs::new("layout")?;
     let root = bpffs.path().join("agent");
     // This build's pins, then another map under CONNTRACK's name, as an

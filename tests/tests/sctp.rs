@@ -13,6 +13,9 @@
 //! virtio_net_hdr): its CRC is computed later, so the datapath must leave
 //! the field alone while it rewrites the port.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
     time::Duration,
@@ -22,7 +25,6 @@ use anyhow::{Context, Result};
 use proxy_tests::{
     agent::{Agent, trace_json},
     bpffs::Bpffs,
-    is_root,
     manifests::sctp_service,
     sctp::{self, CHUNK_ABORT, CHUNK_DATA, CHUNK_INIT, CHUNK_INIT_ACK, Capture, chunk},
     topology::{Node, mac_of},
@@ -61,8 +63,8 @@ fn check_seen(what: &str, got: &sctp::Seen, src: SocketAddrV4, dst: SocketAddrV4
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn sctp_cluster_ip_translates_ports_with_valid_crc_both_ways() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new("sctp")?;
     let client = node.add_pod("client", CLIENT_IP)?;
     let backend = node.add_pod("backend", BACKEND_IP)?;
@@ -145,8 +147,8 @@ fn parse_mac(text: &str) -> Result<[u8; 6]> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn sctp_node_port_from_outside_is_masqueraded_with_valid_crc() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new("sctpnp")?;
     let backend = node.add_pod("backend", BACKEND_IP)?;
     let ext = node.add_external("ext", NODE_IP, &[EXTERNAL], &[])?;

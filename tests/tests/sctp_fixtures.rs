@@ -11,6 +11,9 @@
 //!
 //! Run with `-- --nocapture` to see the tables. Needs root (BPF).
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use proxy_common::*;
 use proxy_tests::{
     fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_UNSPEC, run_table},
@@ -221,18 +224,21 @@ fn untouched_cases() -> Vec<Case> {
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn sctp_association_fixtures() {
     let fx = Fixture::new("sctp-assoc", install_services).unwrap();
     run_table(&fx, "SCTP association", association_cases(), recheck, field);
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn sctp_address_only_fixtures() {
     let fx = Fixture::new("sctp-addr", install_services).unwrap();
     run_table(&fx, "SCTP address-only", address_only_cases(), recheck, field);
 }
 
 #[test]
+#[ignore = "needs root (BPF)"]
 fn sctp_untouched_fixtures() {
     let fx = Fixture::new("sctp-untouched", install_services).unwrap();
     run_table(&fx, "SCTP left untouched", untouched_cases(), recheck, field);

@@ -13,6 +13,9 @@
 //! so and passes, unless EBPF_PROXY_REQUIRE_SCTP is set, as `./x vm-test`
 //! sets it on Debian's kernels, which have the module.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{net::Ipv4Addr, path::Path, time::Duration};
 
 use anyhow::{Context, Result};
@@ -20,7 +23,6 @@ use proxy_tests::{
     agent::Agent,
     bpffs::Bpffs,
     echo::EchoServer,
-    is_root,
     manifests::sctp_service,
     netns::Netns,
     topology::Node,
@@ -63,8 +65,8 @@ fn associate(mut cmd: std::process::Command, to: &str) -> Result<(String, String
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn sctp_associations_through_cluster_ip_and_node_port() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     if !sctp_available() {
         assert!(std::env::var_os("EBPF_PROXY_REQUIRE_SCTP").is_none(), "EBPF_PROXY_REQUIRE_SCTP is set but this kernel makes no SCTP socket");
         eprintln!("skipped: this kernel has no SCTP sockets (./x vm-test runs this on Debian's kernels)");

@@ -4,6 +4,9 @@
 //! the first keeps serving; `cleanup` refuses too. Once the first is
 //! SIGKILLed (no chance to clean up), a new agent takes the root at once.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     net::{Ipv4Addr, SocketAddr},
     process::Stdio,
@@ -15,7 +18,6 @@ use proxy_tests::{
     agent::{Agent, agent_bin},
     bpffs::Bpffs,
     echo::{EchoServer, tcp_request},
-    is_root,
     manifests::{TCP_PORT, TCP_TARGET, echo_service},
     netns::Netns,
     topology::Node,
@@ -25,8 +27,8 @@ const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const TIMEOUT: Duration = Duration::from_secs(20);
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn a_second_agent_on_the_same_root_refuses_and_a_killed_ones_successor_starts() -> Result<()> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new("lock")?;
     let client = node.add_pod("client", Ipv4Addr::new(10, 244, 0, 2))?;
     let backend = node.add_pod("backend-1", Ipv4Addr::new(10, 244, 0, 11))?;

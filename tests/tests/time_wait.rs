@@ -13,6 +13,9 @@
 //! do: one address alone would pass the backend's TIME_WAIT check on its
 //! timestamps, which Linux offsets per address pair, not per port.
 
+#![feature(custom_test_frameworks)]
+#![test_runner(proxy_tests::harness::run)]
+
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
     time::Duration,
@@ -24,7 +27,6 @@ use proxy_tests::{
     agent::Agent,
     bench::load::{Server, request, server_closed_once},
     bpffs::Bpffs,
-    is_root,
     topology::{External, Node, Pod},
 };
 
@@ -85,7 +87,6 @@ struct Setup {
 }
 
 fn setup(label: &str) -> Result<Setup> {
-    assert!(is_root(), "needs root (network namespaces and BPF)");
     let mut node = Node::new(label)?;
     let backend = node.add_pod("backend", BACKEND)?;
     let ext = node.add_external("ext", NODE_IP, &CLIENTS, &[])?;
@@ -104,6 +105,7 @@ fn counter(root: &std::path::Path, c: Counter) -> Result<u64> {
 }
 
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn server_closed_connections_through_a_node_port_never_meet_time_wait() -> Result<()> {
     let Setup { agent, root, ext, .. } = &setup("timewait")?;
     let to = SocketAddr::from((NODE_IP, NODE_PORT));
@@ -153,6 +155,7 @@ fn server_closed_connections_through_a_node_port_never_meet_time_wait() -> Resul
 /// would be (node address:P, backend): the node's connection leaves with a
 /// port of its own, and each gets its own replies.
 #[test]
+#[ignore = "needs root (network namespaces and BPF)"]
 fn a_node_socket_on_a_masqueraded_flows_port_gets_its_own() -> Result<()> {
     let Setup { root, ext, node, .. } = &setup("nodesnat")?;
     const P: u16 = 40123;

@@ -24,7 +24,7 @@ pub struct Options {
 
 pub fn run(opts: &Options) -> Result<ExitCode> {
     if std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0) != 0 {
-        eprintln!("xtask: warning: not root: the tests that need root will fail or skip");
+        eprintln!("xtask: warning: not root: the tests that need root are skipped (ignored, \"needs root\")");
     }
 
     let kapisrv = crate::kapisrv::ensure_in_background();
