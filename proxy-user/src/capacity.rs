@@ -269,7 +269,7 @@ mod tests {
             self.backends.contains(b)
         }
         fn set_id(&self, set: &BackendSetKey) -> Option<u32> {
-            self.sets.get(&set.service.name).map(|(id, _)| *id)
+            self.sets.get(&*set.service.name).map(|(id, _)| *id)
         }
         fn slots(&self, id: u32) -> u32 {
             self.sets.values().find(|(i, _)| *i == id).map_or(0, |(_, n)| *n)
@@ -281,7 +281,7 @@ mod tests {
 
     fn set(name: &str) -> BackendSetKey {
         BackendSetKey {
-            service: ServicePortName { namespace: "ns".into(), name: name.into(), port: String::new(), ipv6: false },
+            service: ServicePortName { namespace: "ns".into(), name: name.into(), port: "".into(), ipv6: false },
             policy: POLICY_CLUSTER,
         }
     }

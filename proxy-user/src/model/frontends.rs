@@ -36,14 +36,14 @@ pub fn build_part(
     let mut state = DesiredState::default();
     let mut errors = Vec::new();
     let slices: Vec<&EndpointSlice> = slices.iter().map(|s| &***s).collect();
-    let mut ctx = ServiceCtx { ns: key.0.to_string(), name: key.1.to_string(), zone, service_cidrs, errors: &mut errors };
+    let mut ctx = ServiceCtx { ns: key.0.into(), name: key.1.into(), zone, service_cidrs, errors: &mut errors };
     build_service(svc, &slices, config, &mut ctx, &mut state);
     (state, errors)
 }
 
 struct ServiceCtx<'a> {
-    ns: String,
-    name: String,
+    ns: Arc<str>,
+    name: Arc<str>,
     /// This node's zone, for topology hints.
     zone: &'a str,
     /// The effective service CIDRs, where no endpoint can be.
@@ -135,7 +135,7 @@ fn build_family(
             ctx.skip(SkipReason::PortOutOfRange, format!("spec.ports[{i}].port: {} out of range; port skipped", port.port));
             continue;
         };
-        let service = ServicePortName { namespace: ctx.ns.clone(), name: ctx.name.clone(), port: port.name.clone().unwrap_or_default(), ipv6 };
+        let service = ServicePortName { namespace: ctx.ns.clone(), name: ctx.name.clone(), port: port.name.as_deref().unwrap_or_default().into(), ipv6 };
         let (all, hints) = select_endpoints(slices, &service.port, proto, ipv6, config, ctx.service_cidrs, ctx.errors);
         let endpoints = categorize(&all, policy.uses_local(), &hints, &config.node_name, ctx.zone);
         let externally_accessible = port.node_port.is_some() || !external_ips.is_empty() || !lb_ips.is_empty();
@@ -322,5 +322,5 @@ fn health_check(spec: &ServiceSpec, slices: &[&EndpointSlice], config: &ModelCon
             local.extend(addr.filter(|ip| endpoint_ips::refused(*ip, ctx.service_cidrs).is_none()));
         }
     }
-    Some((port, HealthCheck { namespace: ctx.ns.clone(), name: ctx.name.clone(), local_endpoints: local.len() }))
+    Some((port, HealthCheck { namespace: ctx.ns.to_string(), name: ctx.name.to_string(), local_endpoints: local.len() }))
 }
