@@ -299,15 +299,13 @@ fn run(case: Case, tally: &std::cell::RefCell<Tally>) -> Result<(), TestCaseErro
         t.object_errors += errors.len() as u64;
     }
 
-    let key = |ns: Option<&String>, name: Option<&String>| {
-        format!("{}/{}", ns.map_or("default", |s| s.as_str()), name.map_or("?", |s| s.as_str()))
-    };
+    let key = |ns: Option<&String>, name: Option<&str>| format!("{}/{}", ns.map_or("default", |s| s.as_str()), name.unwrap_or("?"));
     let services: BTreeSet<String> =
-        snapshot.services.iter().map(|s| format!("service {}", key(s.metadata.namespace.as_ref(), s.metadata.name.as_ref()))).collect();
+        snapshot.services.iter().map(|s| format!("service {}", key(s.metadata.namespace.as_ref(), s.metadata.name.as_deref()))).collect();
     let slices: BTreeSet<String> = snapshot
         .slices
         .iter()
-        .map(|s| format!("endpointslice {}", key(s.metadata.namespace.as_ref(), s.metadata.name.as_ref())))
+        .map(|s| format!("endpointslice {}", key(s.metadata.namespace.as_ref(), s.metadata.name.as_deref())))
         .collect();
     for e in &errors {
         prop_assert!(services.contains(&e.object) || slices.contains(&e.object), "error names no object of the snapshot: {}", e);
@@ -317,7 +315,7 @@ fn run(case: Case, tally: &std::cell::RefCell<Tally>) -> Result<(), TestCaseErro
 
     // The bad objects made on purpose each have their error.
     for svc in &snapshot.services {
-        let object = format!("service {}", key(svc.metadata.namespace.as_ref(), svc.metadata.name.as_ref()));
+        let object = format!("service {}", key(svc.metadata.namespace.as_ref(), svc.metadata.name.as_deref()));
         let Some(spec) = &svc.spec else {
             prop_assert!(has_error(&object, "no spec"), "{} has no spec and no error says so: {:?}", object, errors);
             continue;
@@ -339,8 +337,9 @@ fn run(case: Case, tally: &std::cell::RefCell<Tally>) -> Result<(), TestCaseErro
     }
     let service_keys: BTreeSet<String> = services.iter().map(|s| s.trim_start_matches("service ").to_string()).collect();
     for slice in &snapshot.slices {
-        let object = format!("endpointslice {}", key(slice.metadata.namespace.as_ref(), slice.metadata.name.as_ref()));
-        match slice.metadata.labels.as_ref().and_then(|l| l.get(model::SERVICE_NAME_LABEL)) {
+        let object = format!("endpointslice {}", key(slice.metadata.namespace.as_ref(), slice.metadata.name.as_deref()));
+        // The label as the agent keeps it (endpoint_slice.rs reads it out of the metadata).
+        match slice.service_name.as_deref() {
             None => prop_assert!(has_error(&object, "label"), "{} has no service label and no error says so", object),
             Some(owner) => {
                 if !service_keys.contains(&key(slice.metadata.namespace.as_ref(), Some(owner))) {
