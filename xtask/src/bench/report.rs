@@ -272,7 +272,8 @@ fn targets(md: &mut String, m: &Measured) {
                 met: Some(s.to_healthy < Duration::from_secs(1)),
                 why: format!(
                     "{phases}The manifests are read and parsed on every CPU, one YAML pass per file \
-                     (serde_path_to_error runs only on a file that fails, to name the field and line). The first \
+                     (serde_path_to_error runs only on a file that fails, to name the field and line); each \
+                     document is parsed into a YAML value to find its kind, then into its type. The first \
                      sync builds every Service's part of the model and writes ~240 000 map entries (backends, \
                      slots, frontends, ClusterIP markers, names) with one bpf() syscall each: aya 0.16 has no \
                      BPF_MAP_UPDATE_BATCH. Closing it: batched writes once aya offers them, or one slot array per \
@@ -305,12 +306,11 @@ fn targets(md: &mut String, m: &Measured) {
                       changed objects from unchanged ones by address (sources share unchanged objects between \
                       snapshots), rebuilds only the Services they belong to, and the reconciler writes only the \
                       map keys that touched (proxy-user/src/incremental.rs, Reconciler::sync_touched). What still \
-                      grows with the cluster, per change: a hash lookup per object to find what changed, the \
-                      source's new snapshot (a pointer per object), and the health-check scan of every Service \
-                      (healthcheck::wanted); through the API, JSON decoding of each event in kube-rs. Client, agent \
-                      and the benchmark's map poller share two cores with other work, which shows in the p99. \
-                      Closing the rest: sources that hand the changed keys over with the snapshot, and an \
-                      incremental health-check set."
+                      grows with the cluster, per change: a hash lookup per object to find what changed and the \
+                      source's new snapshot (a pointer per object); through the API, JSON decoding of each event \
+                      in kube-rs. Client, agent and the benchmark's map poller share two cores with other work, \
+                      which shows in the p99. Closing the rest: sources that hand the changed keys over with the \
+                      snapshot."
                     .into(),
             });
         }
@@ -319,15 +319,14 @@ fn targets(md: &mut String, m: &Measured) {
                 what: "agent RSS under 100 MiB at 10 000 services",
                 result: format!("{:.1} MiB after sync (peak {:.1} MiB)", s.rss_mib, s.hwm_mib),
                 met: Some(s.rss_mib < 100.0),
-                why: "What the agent holds after a sync: the parsed Kubernetes objects, one copy shared by the \
-                      source, the snapshot and the model (as k8s-openapi structs a Service and its 10-endpoint \
-                      EndpointSlice take ~6 KB, every optional field included: ~60 MB at 10 000 Services); each \
-                      Service's part of the model and their sum (so one Service can be taken out and put back); \
-                      and the reconciler's mirror of the maps with its ID indexes (~100 000 backends). Manifest \
-                      texts are not kept (a hash is), and the heap the cold read freed is handed back \
-                      (malloc_trim). Closing it: keep only what the model reads of each object, compactly \
-                      (endpoint addresses, conditions, node and hints instead of k8s-openapi's Endpoint), keep \
-                      the model's parts as keys into its sum, and a heap profile to rank the rest."
+                why: "What the agent holds after a sync, ranked by a heap profile (heaptrack on the release agent \
+                      at 10 000 Services): the reconciler's mirror of the maps and its ID indexes (~15 MB), the \
+                      model's sum of every Service's share (~13 MB), the parsed Services (k8s-openapi structs, \
+                      ~1 KB each) and the EndpointSlices, kept compactly (proxy-user/src/endpoint_slice.rs: only \
+                      what the model reads, strings inline: ~90 bytes an endpoint), each Service's share in sorted \
+                      vectors, and service port names shared rather than copied. Manifest texts are not kept (a \
+                      hash is), and the heap the cold read freed is handed back (malloc_trim). What is left to \
+                      take: Services in a compact form too, and the mirror's per-entry hash maps."
                     .into(),
             });
         }
