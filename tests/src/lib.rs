@@ -6,6 +6,7 @@
 //! Every resource is named with a per-run suffix, so two runs never collide,
 //! and removed on drop, so a failing test leaves nothing behind.
 
+pub mod addrs;
 pub mod agent;
 pub mod bench;
 pub mod bpf_ids;
