@@ -14,12 +14,14 @@ use aya::{
 use proxy_common::Counter;
 use proxy_user::maps::{self, Maps, TC_EGRESS, TC_INGRESS};
 
-use crate::{bpffs::Bpffs, is_root};
+use crate::{bpffs::Bpffs, frames, is_root};
 
 pub const TC_ACT_OK: u32 = 0;
 pub const TC_ACT_SHOT: u32 = 2;
 /// TC_ACT_UNSPEC (-1): not ours, left to whatever runs next.
 pub const TC_ACT_UNSPEC: u32 = u32::MAX;
+/// bpf_redirect(): a REJECT goes back out the interface it came in on.
+pub const TC_ACT_REDIRECT: u32 = 7;
 
 pub struct Fixture {
     // Fields drop in order: the program and maps go before the bpffs unmounts.
@@ -157,17 +159,9 @@ struct Row {
 }
 
 /// Runs the cases in order and fails with the whole table if any failed.
-/// `recheck(out, want)` verifies a translated frame independently of the
-/// program (checksums recomputed by a reference); `field(offset)` names the
-/// header field at a byte offset, for the report of bytes that differ.
-pub fn run_table(
-    fx: &Fixture,
-    title: &str,
-    cases: Vec<Case>,
-    recheck: fn(&[u8], &[u8]) -> Result<(), String>,
-    field: fn(usize) -> &'static str,
-) {
-    let diff = |want: &[u8], got: &[u8]| diff(want, got, field);
+/// A translated frame is also verified independently of the program: its
+/// checksums recomputed by `frames::recheck`.
+pub fn run_table(fx: &Fixture, title: &str, cases: Vec<Case>) {
     let mut rows = Vec::new();
     for case in cases {
         let before = fx.counters();
@@ -195,7 +189,7 @@ pub fn run_table(
                         if &out != want {
                             row.problems.push(format!("frame differs from expected: {}", diff(want, &out)));
                         }
-                        row.problems.extend(recheck(&out, want).err());
+                        row.problems.extend(frames::recheck(&out, want).err());
                     }
                     Expect::TranslatedWith(expected) => match expected(&out) {
                         Err(e) => row.problems.push(e),
@@ -203,7 +197,7 @@ pub fn run_table(
                             if out != want {
                                 row.problems.push(format!("frame differs from expected: {}", diff(&want, &out)));
                             }
-                            row.problems.extend(recheck(&out, &want).err());
+                            row.problems.extend(frames::recheck(&out, &want).err());
                         }
                     },
                 }
@@ -223,15 +217,15 @@ pub fn run_table(
     assert_eq!(failed, 0, "{failed} of {} {title} fixtures failed\n{report}", rows.len());
 }
 
-/// The differing bytes (the first 12), each named by `field`.
-fn diff(want: &[u8], got: &[u8], field: fn(usize) -> &'static str) -> String {
+/// The differing bytes (the first 12), each named by the field of `want` it is in.
+fn diff(want: &[u8], got: &[u8]) -> String {
     let mut parts = Vec::new();
     if want.len() != got.len() {
         parts.push(format!("length {} (want {})", got.len(), want.len()));
     }
     let offs: Vec<usize> = (0..want.len().min(got.len())).filter(|&i| want[i] != got[i]).collect();
     for &i in offs.iter().take(12) {
-        parts.push(format!("byte {i} [{}] {:#04x} (want {:#04x})", field(i), got[i], want[i]));
+        parts.push(format!("byte {i} [{}] {:#04x} (want {:#04x})", frames::field(want, i), got[i], want[i]));
     }
     if offs.len() > 12 {
         parts.push(format!("... {} bytes differ", offs.len()));
@@ -254,6 +248,7 @@ pub fn verdict_name(v: u32) -> String {
         TC_ACT_OK => "OK".into(),
         TC_ACT_SHOT => "SHOT".into(),
         TC_ACT_UNSPEC => "UNSPEC".into(),
+        TC_ACT_REDIRECT => "REDIRECT".into(),
         v => format!("{v:#x}"),
     }
 }
@@ -285,22 +280,4 @@ pub fn check_counters(before: &[u64], after: &[u64], want: &[Counter]) -> Result
         }
     }
     if bad.is_empty() { Ok(()) } else { Err(format!("counters: {}", bad.join(", "))) }
-}
-
-/// The reset a TCP stack sends for `segment` (with `payload_len` bytes of
-/// data) when nothing listens, as RFC 793 states it: with the segment's ACK
-/// as its sequence number if it had one, else sequence 0 and an ACK of
-/// everything the segment carried (data, SYN, FIN). The reference the REJECT
-/// fixtures of both families check the datapath's reset against.
-pub fn reset_for(segment: &etherparse::TcpHeader, payload_len: usize) -> etherparse::TcpHeader {
-    let mut rst = etherparse::TcpHeader::new(segment.destination_port, segment.source_port, 0, 0);
-    rst.rst = true;
-    if segment.ack {
-        rst.sequence_number = segment.acknowledgment_number;
-    } else {
-        rst.ack = true;
-        let carried = payload_len as u32 + u32::from(segment.syn) + u32::from(segment.fin);
-        rst.acknowledgment_number = segment.sequence_number.wrapping_add(carried);
-    }
-    rst
 }

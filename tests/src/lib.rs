@@ -10,6 +10,7 @@
 #![feature(test)]
 extern crate test;
 
+pub mod addrs;
 pub mod agent;
 pub mod bench;
 pub mod bpf_ids;

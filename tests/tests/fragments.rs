@@ -16,7 +16,7 @@
 #![test_runner(proxy_tests::harness::run)]
 
 use std::{
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket},
+    net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket},
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -25,18 +25,19 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use proxy_tests::{agent::Agent, bpffs::Bpffs, manifests::one_port_service, netns::Netns, topology::Node};
+use proxy_tests::{
+    addrs::{BACKEND, BACKEND6, CLIENT, CLIENT6, VIP, VIP6},
+    agent::Agent,
+    bpffs::Bpffs,
+    manifests::one_port_service,
+    netns::Netns,
+    topology::Node,
+};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 const SIZE: usize = 4000;
 const TARGET: u16 = 5353;
 
-const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 2);
-const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 2);
-const BACKEND: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 11);
-const BACKEND6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 0x11);
-const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
 const NODE_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 78, 1);
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 78, 2);

@@ -24,6 +24,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_tests::{
+    addrs::{BACKEND, BACKEND6, CLIENT, CLIENT6, VIP, VIP6},
     agent::Agent,
     bpffs::Bpffs,
     echo::{expect_refused, udp_request_connected},
@@ -38,12 +39,6 @@ const STALLED: Duration = Duration::from_secs(60);
 const UPLOAD: usize = 4 << 20;
 const UPLOAD_TARGET: u16 = 8080;
 
-const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 2);
-const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 2);
-const BACKEND: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 11);
-const BACKEND6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 0x11);
-const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
 /// The backend behind the router.
 const FAR: Ipv4Addr = Ipv4Addr::new(10, 244, 5, 11);
 const FAR6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 5, 0, 0, 0, 0, 0x11);

@@ -12,31 +12,35 @@
 
 use std::net::Ipv6Addr;
 
-use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TcpHeader, TransportHeader, icmpv6::DestUnreachableCode, Icmpv6Type};
 use proxy_common::*;
-use proxy_tests::fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_SHOT, reset_for, run_table};
+use proxy_tests::{
+    addrs::addr,
+    fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, run_table},
+    frames::{
+        self, ETH_HLEN, IPV6_HLEN, icmp_echo, insert_ipv6_header, padded, reject_of, tcp_data, tcp_rst_ack, tcp_syn, udp,
+        with_ipv6_payload_len,
+    },
+};
 use proxy_user::{maps::Maps, reconciler::MapWriter};
 
-/// bpf_redirect(): a REJECT goes back out the interface it came in on.
-const TC_ACT_REDIRECT: u32 = 7;
+// The fixtures' own IPv6 world (fd00:10:…, not `proxy_tests::addrs`'s fd00:244::…).
 
-
-const CLIENT: &str = "fd00:10:244::2";
+const CLIENT: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 2);
 /// The backend shares the client's /64 and the VIP's first words differ.
-const BACKEND: &str = "fd00:10:244::11";
+const BACKEND: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0x11);
 /// The service with one backend: 80/TCP -> 8080, 53/UDP -> 5353.
-const VIP: &str = "fd00:10:96::10";
+const VIP: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x10);
 /// A service whose backend differs from it in all four 32-bit words, so
 /// every word of the pseudo-header checksum update is exercised.
-const VIP_FAR: &str = "fd00:10:96::20";
-const BACKEND_FAR: &str = "2001:db8:1:2:3:4:5:6";
+const VIP_FAR: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x20);
+const BACKEND_FAR: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 1, 2, 3, 4, 5, 6);
 /// A service with no backend: 80/TCP.
-const VIP_EMPTY: &str = "fd00:10:96::30";
-const NOWHERE: &str = "fd00:10:96::99";
+const VIP_EMPTY: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x30);
+const NOWHERE: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x99);
 /// A service whose frontend masquerades (as with --masquerade-all).
-const VIP_MASQ: &str = "fd00:10:96::40";
+const VIP_MASQ: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x40);
 /// The node's IPv6 address masqueraded flows leave with, and its IPv4 one.
-const NODE_IP6: &str = "2001:db8::1";
+const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1);
 const NODE_IP4: [u8; 4] = [192, 168, 0, 2];
 
 const TCP_SERVICE_ID: u32 = 1;
@@ -48,24 +52,12 @@ const TCP_BACKEND_ID: u32 = 1;
 const UDP_BACKEND_ID: u32 = 2;
 const FAR_BACKEND_ID: u32 = 3;
 
-const MAC_SRC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
-const MAC_DST: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
-const ETH_HLEN: usize = 14;
-const IPV6_HLEN: usize = 40;
 /// Next-header values (RFC 8200).
 const NEXTHDR_HOP: u8 = 0;
 const NEXTHDR_FRAGMENT: u8 = 44;
 const NEXTHDR_DEST: u8 = 60;
 
-type Endpoint = (&'static str, u16);
-
-fn ip(s: &str) -> [u8; 16] {
-    s.parse::<Ipv6Addr>().unwrap().octets()
-}
-
-fn addr(s: &str) -> Addr {
-    Addr(ip(s))
-}
+type Endpoint = (Ipv6Addr, u16);
 
 // ---------------------------------------------------------------- cases
 
@@ -173,7 +165,7 @@ fn translation_cases() -> Vec<Case> {
         ),
         Case::new(
             "TCP RST|ACK -> [fd00:10:96::30]:80, no backend: dropped, never answered with a reset",
-            tcp_rst((CLIENT, 40006), (VIP_EMPTY, 80)),
+            tcp_rst_ack((CLIENT, 40006), (VIP_EMPTY, 80)),
             TC_ACT_SHOT,
             Expect::Unchanged,
             &[Counter::NoBackend, Counter::RejectSuppressed],
@@ -195,7 +187,7 @@ fn untouched_cases() -> Vec<Case> {
     vec![
         Case::untouched("TCP -> [fd00:10:96::99]:80, no such service", tcp_syn((CLIENT, 40000), (NOWHERE, 80)), Counter::Passed),
         Case::untouched("UDP -> [fd00:10:96::10]:80, service port but not its protocol", udp((CLIENT, 40000), (VIP, 80), b"x"), Counter::Passed),
-        Case::untouched("ICMPv6 echo -> fd00:10:96::10", icmpv6_echo(CLIENT, VIP), Counter::Passed),
+        Case::untouched("ICMPv6 echo -> fd00:10:96::10", icmp_echo(CLIENT, VIP), Counter::Passed),
         // (Fragments that follow their first: fragment_fixtures.rs.)
         Case::untouched(
             "a later fragment (offset 1480) -> fd00:10:96::10, its first not seen",
@@ -219,10 +211,10 @@ fn untouched_cases() -> Vec<Case> {
         ),
         Case::untouched(
             "payload length 100 bytes more than the frame holds",
-            with_payload_len(syn.clone(), |len| len + 100),
+            with_ipv6_payload_len(syn.clone(), |len| len + 100),
             Counter::Malformed,
         ),
-        Case::untouched("payload length 10: too short for a TCP header", with_payload_len(syn.clone(), |_| 10), Counter::Malformed),
+        Case::untouched("payload length 10: too short for a TCP header", with_ipv6_payload_len(syn.clone(), |_| 10), Counter::Malformed),
         Case::untouched(
             "IP version 4 under the IPv6 ethertype",
             {
@@ -239,7 +231,7 @@ fn untouched_cases() -> Vec<Case> {
 #[ignore = "needs root (BPF)"]
 fn ipv6_translation_fixtures() {
     let fx = fixture("ipv6-fixtures-xlate");
-    run_table(&fx, "IPv6 translation", translation_cases(), recheck_checksums, field);
+    run_table(&fx, "IPv6 translation", translation_cases());
 }
 
 /// Masquerade: the mark at ingress, the SNAT to the node's IPv6 address at
@@ -313,8 +305,7 @@ fn masquerade_cases() -> Vec<Case> {
             tcp_syn((NODE_IP6, 40002), backend),
             TC_ACT_OK,
             Expect::TranslatedWith(|out| {
-                let at = ETH_HLEN + IPV6_HLEN;
-                let port = u16::from_be_bytes([out[at], out[at + 1]]);
+                let Some((port, _)) = frames::ports(out) else { return Err("the output has no TCP header".into()) };
                 let ephemeral = DEFAULT_EPHEMERAL_PORTS.0..=DEFAULT_EPHEMERAL_PORTS.1;
                 if port < TCP_SNAT_PORT_LOW || ephemeral.contains(&port) {
                     return Err(format!("source port {port}: want one drawn from {TCP_SNAT_PORT_LOW} up outside {ephemeral:?}"));
@@ -331,21 +322,21 @@ fn masquerade_cases() -> Vec<Case> {
 #[ignore = "needs root (BPF)"]
 fn ipv6_masquerade_fixtures() {
     let mut fx = fixture("ipv6-fixtures-masq");
-    let snat = [(0, std::net::IpAddr::from(NODE_IP4)), (SNAT_ADDR_IPV6, NODE_IP6.parse().unwrap())].into_iter().collect();
+    let snat = [(0, std::net::IpAddr::from(NODE_IP4)), (SNAT_ADDR_IPV6, NODE_IP6.into())].into_iter().collect();
     let cluster = ["0.0.0.0/0".parse().unwrap(), "::/0".parse().unwrap()];
     fx.maps.write_node_config(&snat, &cluster).expect("node settings");
     let key = FrontendKey { addr: addr(VIP_MASQ), port: 80u16.to_be(), proto: IPPROTO_TCP, scope: SCOPE_INTERNAL };
     let entry = ServiceEntry { service_id: MASQ_SERVICE_ID, backend_count: 1, kind: KIND_CLUSTER_IP, flags: SVC_MASQUERADE, ..Default::default() };
     fx.maps.put_frontend(&key, &entry).unwrap();
     fx.maps.put_slot(&SlotKey { service_id: MASQ_SERVICE_ID, slot: 0 }, TCP_BACKEND_ID).unwrap();
-    run_table(&fx, "IPv6 masquerade", masquerade_cases(), recheck_checksums, field);
+    run_table(&fx, "IPv6 masquerade", masquerade_cases());
 }
 
 #[test]
 #[ignore = "needs root (BPF)"]
 fn ipv6_untouched_fixtures() {
     let fx = fixture("ipv6-fixtures-untouched");
-    run_table(&fx, "IPv6 left untouched", untouched_cases(), recheck_checksums, field);
+    run_table(&fx, "IPv6 left untouched", untouched_cases());
     let flows = fx.maps.conntrack.keys().count() + fx.maps.ct_unconfirmed.keys().count();
     assert_eq!(flows, 0, "untouched frames created {flows} conntrack entries");
 }
@@ -413,130 +404,12 @@ fn install_services(m: &mut Maps) -> anyhow::Result<()> {
     Ok(())
 }
 
-// ---------------------------------------------------------------- checks
-
-/// Recomputes the TCP/UDP checksum of the output frame over the IPv6
-/// pseudo-header (IPv6 has no header checksum).
-fn recheck_checksums(out: &[u8], _want: &[u8]) -> Result<(), String> {
-    let h = PacketHeaders::from_ethernet_slice(out).map_err(|e| format!("output does not parse: {e}"))?;
-    let Some(NetHeaders::Ipv6(ip, _)) = &h.net else { return Err("output is not IPv6".into()) };
-    let payload = h.payload.slice();
-    let (name, got, sum) = match &h.transport {
-        Some(TransportHeader::Tcp(tcp)) => ("TCP", tcp.checksum, tcp.calc_checksum_ipv6(ip, payload).map_err(|e| e.to_string())?),
-        Some(TransportHeader::Udp(udp)) => ("UDP", udp.checksum, udp.calc_checksum_ipv6(ip, payload).map_err(|e| e.to_string())?),
-        Some(TransportHeader::Icmpv6(icmp)) => (
-            "ICMPv6",
-            icmp.checksum,
-            icmp.icmp_type.calc_checksum(ip.source, ip.destination, payload).map_err(|e| e.to_string())?,
-        ),
-        _ => return Err("output has no TCP/UDP/ICMPv6 header".into()),
-    };
-    if got != sum {
-        return Err(format!("{name} checksum {got:#06x}, recomputed {sum:#06x}"));
-    }
-    Ok(())
-}
-
-/// The header field at a byte offset of an Ethernet/IPv6 (no extension
-/// headers) frame.
-fn field(off: usize) -> &'static str {
-    match off {
-        0..=13 => "eth",
-        22..=37 => "ip6 src",
-        38..=53 => "ip6 dst",
-        14..=21 => "ip6",
-        54..=55 => "l4 sport",
-        56..=57 => "l4 dport",
-        60..=61 => "udp csum / tcp seq",
-        70..=71 => "tcp csum",
-        _ => "l4/payload",
-    }
-}
-
 // ---------------------------------------------------------------- frames
 
-/// The REJECT of a frame, from the dialled address back to the sender: a
-/// RST (seq 0, acknowledging the SYN) for TCP, else ICMPv6 port
-/// unreachable quoting the IPv6 header and the 8 bytes after it.
-fn reject_of(frame: &[u8]) -> Vec<u8> {
-    let h = PacketHeaders::from_ethernet_slice(frame).unwrap();
-    let Some(NetHeaders::Ipv6(ip, _)) = h.net else { panic!("IPv6 only") };
-    let back = PacketBuilder::ethernet2(MAC_DST, MAC_SRC).ipv6(ip.destination, ip.source, 64);
-    match h.transport {
-        Some(TransportHeader::Tcp(segment)) => {
-            let rst = reset_for(&segment, h.payload.slice().len());
-            build(|v| back.tcp_header(rst).write(v, &[]).unwrap())
-        }
-        _ => {
-            let quote = &frame[ETH_HLEN..ETH_HLEN + IPV6_HLEN + 8];
-            build(|v| back.icmpv6(Icmpv6Type::DestinationUnreachable(DestUnreachableCode::Port)).write(v, quote).unwrap())
-        }
-    }
-}
-
-fn build(step: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
-    let mut v = Vec::new();
-    step(&mut v);
-    v
-}
-
-fn tcp_syn(src: Endpoint, dst: Endpoint) -> Vec<u8> {
-    let mut h = TcpHeader::new(src.1, dst.1, 1_000_000, 64240);
-    h.syn = true;
-    build(|v| PacketBuilder::ethernet2(MAC_SRC, MAC_DST).ipv6(ip(src.0), ip(dst.0), 64).tcp_header(h).write(v, &[]).unwrap())
-}
-
-fn tcp_data(src: Endpoint, dst: Endpoint, payload: &[u8]) -> Vec<u8> {
-    let mut h = TcpHeader::new(src.1, dst.1, 1_000_001, 502);
-    h.ack = true;
-    h.psh = true;
-    h.acknowledgment_number = 2_000_001;
-    build(|v| PacketBuilder::ethernet2(MAC_SRC, MAC_DST).ipv6(ip(src.0), ip(dst.0), 64).tcp_header(h).write(v, payload).unwrap())
-}
-
-/// A RST|ACK, as a stack answers a segment it has no connection for.
-fn tcp_rst(src: Endpoint, dst: Endpoint) -> Vec<u8> {
-    let mut h = TcpHeader::new(src.1, dst.1, 0, 0);
-    h.rst = true;
-    h.ack = true;
-    h.acknowledgment_number = 1_000_001;
-    build(|v| PacketBuilder::ethernet2(MAC_SRC, MAC_DST).ipv6(ip(src.0), ip(dst.0), 64).tcp_header(h).write(v, &[]).unwrap())
-}
-
-fn udp(src: Endpoint, dst: Endpoint, payload: &[u8]) -> Vec<u8> {
-    build(|v| PacketBuilder::ethernet2(MAC_SRC, MAC_DST).ipv6(ip(src.0), ip(dst.0), 64).udp(src.1, dst.1).write(v, payload).unwrap())
-}
-
-fn icmpv6_echo(src: &str, dst: &str) -> Vec<u8> {
-    build(|v| {
-        PacketBuilder::ethernet2(MAC_SRC, MAC_DST).ipv6(ip(src), ip(dst), 64).icmpv6_echo_request(7, 1).write(v, b"ping").unwrap()
-    })
-}
-
 /// The frame with an 8-byte extension header of type `kind` between the
-/// IPv6 header and the L4 header (its first byte, the next header, is set
-/// from the frame). The L4 checksum stays valid: the pseudo-header holds the
-/// upper-layer length, not the payload length.
-fn with_extension_header(frame: &[u8], kind: u8, mut header: [u8; 8]) -> Vec<u8> {
-    let l3 = ETH_HLEN;
-    header[0] = frame[l3 + 6];
-    let mut out = frame[..l3 + IPV6_HLEN].to_vec();
-    out[l3 + 6] = kind;
-    out.extend_from_slice(&header);
-    out.extend_from_slice(&frame[l3 + IPV6_HLEN..]);
-    with_payload_len(out, |len| len + 8)
-}
-
-fn with_payload_len(mut frame: Vec<u8>, edit: impl FnOnce(u16) -> u16) -> Vec<u8> {
-    let at = ETH_HLEN + 4;
-    let len = edit(u16::from_be_bytes([frame[at], frame[at + 1]]));
-    frame[at..at + 2].copy_from_slice(&len.to_be_bytes());
-    frame
-}
-
-/// Ethernet padding after the datagram, up to `len` bytes.
-fn padded(mut frame: Vec<u8>, len: usize) -> Vec<u8> {
-    assert!(frame.len() < len, "frame already {} bytes", frame.len());
-    frame.resize(len, 0);
-    frame
+/// IPv6 header and the L4 header.
+fn with_extension_header(frame: &[u8], kind: u8, header: [u8; 8]) -> Vec<u8> {
+    let mut out = frame.to_vec();
+    insert_ipv6_header(&mut out, kind, &header);
+    out
 }

@@ -27,6 +27,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_tests::{
+    addrs::{VIP, VIP6},
     agent::{Agent, agent_bin, tc_attached, tc_attached_egress},
     bpffs::Bpffs,
     cgroup::Cgroup,
@@ -47,7 +48,8 @@ const REFUSED_WITHIN: Duration = Duration::from_secs(3);
 /// The node's address on the L3 uplink, and the external client's.
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 82, 1);
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 82, 2);
-/// A pod on a veth, the backend of `VIP` (and `VIP6`).
+/// A pod on a veth, the backend of `VIP` (and `VIP6`, the cluster's usual
+/// ClusterIPs): this world's pods are not `addrs`'s.
 const BACKEND: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 2);
 const BACKEND6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 2);
 /// A pod behind an L3 device of this node: the client.
@@ -55,8 +57,6 @@ const L3_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 9);
 const L3_POD6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 9);
 /// A pod on another node, reached over an L3 tunnel: the backend of `FAR_VIP`.
 const FAR: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
-const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
 const FAR_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 /// Services without endpoints.
 const EMPTY_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);

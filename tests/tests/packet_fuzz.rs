@@ -31,14 +31,19 @@
 
 use std::{cell::RefCell, time::Instant};
 
-use etherparse::{IpNumber, PacketBuilder, TcpHeader, UdpHeader};
+use etherparse::{TcpHeader, UdpHeader};
 use proptest::{
     prelude::*,
     test_runner::{Config, RngSeed, TestCaseError, TestError, TestRunner},
 };
 use proxy_common::*;
 use proxy_tests::{
-    fixture::{Fixture, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    addrs::{self, addr},
+    fixture::{Fixture, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    frames::{
+        ETH_HLEN, MAC_DST, MAC_SRC, icmp_echo_request, insert_ipv4_options, insert_ipv6_header, ip_packet, set_ipv4_checksum,
+        tcp, udp,
+    },
     sctp,
 };
 use proxy_user::{
@@ -46,19 +51,17 @@ use proxy_user::{
     reconciler::MapWriter,
 };
 
-/// bpf_redirect(): a REJECT goes back out the interface it came in on.
-const TC_ACT_REDIRECT: u32 = 7;
-
-const CLIENT: [u8; 4] = [10, 244, 0, 2];
-const BACKEND: [u8; 4] = [10, 244, 0, 11];
+// The generator works on octets (random addresses among them).
+const CLIENT: [u8; 4] = addrs::CLIENT.octets();
+const BACKEND: [u8; 4] = addrs::BACKEND.octets();
 /// 80/TCP -> 8080, 53/UDP -> 5353, 2905/SCTP -> 3905; masqueraded from
 /// outside the cluster CIDR.
-const VIP: [u8; 4] = [10, 96, 0, 10];
+const VIP: [u8; 4] = addrs::VIP.octets();
 /// 80/TCP and 53/UDP with no backend: REJECT.
-const VIP_EMPTY: [u8; 4] = [10, 96, 0, 20];
-const NOWHERE: [u8; 4] = [10, 96, 0, 99];
-const EXTERNAL: [u8; 4] = [203, 0, 113, 2];
-const NODE_IP: [u8; 4] = [192, 168, 0, 2];
+const VIP_EMPTY: [u8; 4] = addrs::VIP_EMPTY.octets();
+const NOWHERE: [u8; 4] = addrs::UNALLOCATED.octets();
+const EXTERNAL: [u8; 4] = addrs::EXTERNAL.octets();
+const NODE_IP: [u8; 4] = addrs::NODE_IP.octets();
 const V4_ADDRS: [[u8; 4]; 7] = [CLIENT, BACKEND, VIP, VIP_EMPTY, NOWHERE, EXTERNAL, NODE_IP];
 
 const CLIENT6: [u8; 16] = v6(0x244, 2);
@@ -69,13 +72,6 @@ const NOWHERE6: [u8; 16] = v6(0x96, 0x99);
 const V6_ADDRS: [[u8; 16]; 5] = [CLIENT6, BACKEND6, VIP6, VIP6_EMPTY, NOWHERE6];
 
 const PORTS: [u16; 8] = [80, 53, 2905, 8080, 5353, 3905, 62000, 40000];
-
-const MAC_SRC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
-const MAC_DST: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
-const ETH_HLEN: usize = 14;
-
-const IPPROTO_ICMP: u8 = 1;
-const IPPROTO_ICMPV6: u8 = 58;
 
 /// fd00:10:<net>::<host>
 const fn v6(net: u16, host: u16) -> [u8; 16] {
@@ -239,36 +235,32 @@ fn step() -> impl Strategy<Value = Step> {
 // ---------------------------------------------------------------- frames
 
 fn build(spec: &Spec) -> Vec<u8> {
-    let eth = PacketBuilder::ethernet2(MAC_SRC, MAC_DST);
-    let mut v = Vec::new();
-    let tcp = |flags: u8| {
-        let mut h = TcpHeader::new(spec.sport, spec.dport, 1_000_000, 64240);
-        h.fin = flags & 1 != 0;
-        h.syn = flags & 2 != 0;
-        h.rst = flags & 4 != 0;
-        h.psh = flags & 8 != 0;
-        h.ack = flags & 16 != 0;
-        h.urg = flags & 32 != 0;
-        h.ece = flags & 64 != 0;
-        h.cwr = flags & 128 != 0;
-        if h.ack {
-            h.acknowledgment_number = 2_000_000;
-        }
-        h
+    let (src, dst): (std::net::IpAddr, std::net::IpAddr) = match spec.addrs {
+        Addrs::V4(s, d) => (s.into(), d.into()),
+        Addrs::V6(s, d) => (s.into(), d.into()),
     };
-    let sctp_packet = || sctp::packet(spec.sport, spec.dport, 0x1122_3344, &[sctp::chunk::data(1, &spec.payload)]);
-    match (&spec.addrs, spec.l4) {
-        (Addrs::V4(s, d), L4::Tcp(f)) => eth.ipv4(*s, *d, 64).tcp_header(tcp(f)).write(&mut v, &spec.payload),
-        (Addrs::V4(s, d), L4::Udp) => eth.ipv4(*s, *d, 64).udp(spec.sport, spec.dport).write(&mut v, &spec.payload),
-        (Addrs::V4(s, d), L4::Icmp) => eth.ipv4(*s, *d, 64).icmpv4_echo_request(spec.sport, spec.dport).write(&mut v, &spec.payload),
-        (Addrs::V4(s, d), L4::Sctp) => eth.ipv4(*s, *d, 64).write(&mut v, IpNumber(IPPROTO_SCTP), &sctp_packet()),
-        (Addrs::V6(s, d), L4::Tcp(f)) => eth.ipv6(*s, *d, 64).tcp_header(tcp(f)).write(&mut v, &spec.payload),
-        (Addrs::V6(s, d), L4::Udp) => eth.ipv6(*s, *d, 64).udp(spec.sport, spec.dport).write(&mut v, &spec.payload),
-        (Addrs::V6(s, d), L4::Icmp) => eth.ipv6(*s, *d, 64).icmpv6_echo_request(spec.sport, spec.dport).write(&mut v, &spec.payload),
-        (Addrs::V6(s, d), L4::Sctp) => eth.ipv6(*s, *d, 64).write(&mut v, IpNumber(IPPROTO_SCTP), &sctp_packet()),
+    let (from, to) = ((src, spec.sport), (dst, spec.dport));
+    match spec.l4 {
+        L4::Tcp(flags) => tcp(from, to, &spec.payload, |h| {
+            h.fin = flags & 1 != 0;
+            h.syn = flags & 2 != 0;
+            h.rst = flags & 4 != 0;
+            h.psh = flags & 8 != 0;
+            h.ack = flags & 16 != 0;
+            h.urg = flags & 32 != 0;
+            h.ece = flags & 64 != 0;
+            h.cwr = flags & 128 != 0;
+            if h.ack {
+                h.acknowledgment_number = 2_000_000;
+            }
+        }),
+        L4::Udp => udp(from, to, &spec.payload),
+        L4::Icmp => icmp_echo_request(src, dst, spec.sport, spec.dport, &spec.payload),
+        L4::Sctp => {
+            let packet = sctp::packet(spec.sport, spec.dport, 0x1122_3344, &[sctp::chunk::data(1, &spec.payload)]);
+            ip_packet(src, dst, IPPROTO_SCTP, &packet)
+        }
     }
-    .expect("building a frame");
-    v
 }
 
 /// The reply to `frame` (a parsed TCP/UDP/SCTP frame): addresses and ports
@@ -302,12 +294,13 @@ fn is_v6(f: &[u8]) -> bool {
 }
 
 /// The IPv4 header checksum made right again (after an edit of the header).
+/// The IPv4 header checksum made right again (after an edit of the header),
+/// if the whole header (as IHL says, at least 20 bytes) is in the frame.
 fn fix_ipv4_checksum(f: &mut [u8]) {
-    let ihl = usize::from(f[ETH_HLEN] & 0xf) * 4;
-    let Some(h) = f.get_mut(ETH_HLEN..ETH_HLEN + ihl.max(20)) else { return };
-    h[10..12].fill(0);
-    let sum = !fold(sum16(h, 0));
-    h[10..12].copy_from_slice(&sum.to_be_bytes());
+    let ihl = (usize::from(f[ETH_HLEN] & 0xf) * 4).max(20);
+    if f.len() >= ETH_HLEN + ihl {
+        set_ipv4_checksum(f, ihl);
+    }
 }
 
 fn mutate(f: &mut Vec<u8>, m: &Mutation) {
@@ -330,12 +323,7 @@ fn mutate(f: &mut Vec<u8>, m: &Mutation) {
             let mut opts = vec![1u8; n]; // NOPs
             let tail = bytes.len().min(n);
             opts[n - tail..].copy_from_slice(&bytes[..tail]);
-            let at = ETH_HLEN + 20;
-            f.splice(at..at, opts);
-            f[ETH_HLEN] = 0x40 | (5 + words);
-            let total = u16::from_be_bytes([f[ETH_HLEN + 2], f[ETH_HLEN + 3]]).wrapping_add(n as u16);
-            f[ETH_HLEN + 2..ETH_HLEN + 4].copy_from_slice(&total.to_be_bytes());
-            fix_ipv4_checksum(f);
+            insert_ipv4_options(f, &opts);
         }
         Mutation::Fragment(mf, offset) => {
             if is_v4(f) {
@@ -347,7 +335,7 @@ fn mutate(f: &mut Vec<u8>, m: &Mutation) {
                 let mut h = [0u8; 8];
                 h[2..4].copy_from_slice(&word.to_be_bytes());
                 h[4..8].copy_from_slice(&0xdead_beefu32.to_be_bytes());
-                insert_v6_header(f, 44, &h);
+                insert_ipv6_header(f, 44, &h);
             }
         }
         Mutation::ExtHeader(kind, units) => {
@@ -363,7 +351,7 @@ fn mutate(f: &mut Vec<u8>, m: &Mutation) {
                 h[2] = 1;
                 h[3] = (len - 4) as u8;
             }
-            insert_v6_header(f, *kind, &h);
+            insert_ipv6_header(f, *kind, &h);
         }
         Mutation::Version(v) => {
             if let Some(b) = f.get_mut(ETH_HLEN) {
@@ -395,16 +383,6 @@ fn mutate(f: &mut Vec<u8>, m: &Mutation) {
 
 /// Inserts an extension header (its next-header byte filled in) right
 /// after the IPv6 header, and grows the payload length.
-fn insert_v6_header(f: &mut Vec<u8>, kind: u8, h: &[u8]) {
-    let at = ETH_HLEN + 40;
-    let mut h = h.to_vec();
-    h[0] = f[ETH_HLEN + 6];
-    f[ETH_HLEN + 6] = kind;
-    f.splice(at..at, h.iter().copied());
-    let len = u16::from_be_bytes([f[ETH_HLEN + 4], f[ETH_HLEN + 5]]).wrapping_add(h.len() as u16);
-    f[ETH_HLEN + 4..ETH_HLEN + 6].copy_from_slice(&len.to_be_bytes());
-}
-
 // ---------------------------------------------------------------- layout
 
 /// Where things are in an IPv4 or IPv6 frame, as the checks read it.
@@ -709,15 +687,15 @@ fn check_reject(input: &[u8], out: &[u8]) -> Result<(), String> {
 /// -> 3905; fd00:10:96::30 80/TCP, 53/UDP without backends.
 fn install_services(m: &mut Maps) -> anyhow::Result<()> {
     let backends = [
-        (Addr::from_v4_octets(BACKEND), 8080, IPPROTO_TCP),
-        (Addr::from_v4_octets(BACKEND), 5353, IPPROTO_UDP),
-        (Addr::from_v4_octets(BACKEND), 3905, IPPROTO_SCTP),
-        (Addr::from(std::net::IpAddr::from(BACKEND6)), 8080, IPPROTO_TCP),
-        (Addr::from(std::net::IpAddr::from(BACKEND6)), 5353, IPPROTO_UDP),
-        (Addr::from(std::net::IpAddr::from(BACKEND6)), 3905, IPPROTO_SCTP),
+        (addr(BACKEND), 8080, IPPROTO_TCP),
+        (addr(BACKEND), 5353, IPPROTO_UDP),
+        (addr(BACKEND), 3905, IPPROTO_SCTP),
+        (addr(BACKEND6), 8080, IPPROTO_TCP),
+        (addr(BACKEND6), 5353, IPPROTO_UDP),
+        (addr(BACKEND6), 3905, IPPROTO_SCTP),
     ];
-    let vip = Addr::from_v4_octets(VIP);
-    let vip6 = Addr::from(std::net::IpAddr::from(VIP6));
+    let vip = addr(VIP);
+    let vip6 = addr(VIP6);
     let frontends = [(vip, 80u16, IPPROTO_TCP), (vip, 53, IPPROTO_UDP), (vip, 2905, IPPROTO_SCTP), (vip6, 80, IPPROTO_TCP), (vip6, 53, IPPROTO_UDP), (vip6, 2905, IPPROTO_SCTP)];
     for (i, ((addr, port, proto), (fe, fe_port, fe_proto))) in backends.into_iter().zip(frontends).enumerate() {
         let id = i as u32 + 1;
@@ -730,7 +708,7 @@ fn install_services(m: &mut Maps) -> anyhow::Result<()> {
         }
         m.put_name(id, &ServiceName::new(&format!("fuzz/svc{id}:p"), SCOPE_INTERNAL))?;
     }
-    let empty = [Addr::from_v4_octets(VIP_EMPTY), Addr::from(std::net::IpAddr::from(VIP6_EMPTY))];
+    let empty = [addr(VIP_EMPTY), addr(VIP6_EMPTY)];
     for (i, addr) in empty.into_iter().enumerate() {
         let id = 10 + i as u32;
         for (port, proto) in [(80u16, IPPROTO_TCP), (53, IPPROTO_UDP)] {
@@ -919,3 +897,4 @@ fn checker_catches_mistranslations() {
         }
     }
 }
+

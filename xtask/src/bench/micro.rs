@@ -34,12 +34,12 @@ use aya::{
     Ebpf,
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
-use etherparse::{PacketBuilder, TcpHeader};
 use proxy_common::*;
 use proxy_tests::{
     bench::services::{ServiceSet, TCP_PORT, TCP_TARGET, UDP_PORT, UDP_TARGET},
     bpffs::Bpffs,
-    sctp::{self, chunk},
+    frames,
+    sctp::chunk,
 };
 use proxy_user::{
     maps::{self, Maps, TC_INGRESS},
@@ -135,7 +135,7 @@ fn measure(bpffs: &Bpffs, samples: usize, repeat: u32) -> Result<Results> {
                     let (verdict, d, out) = test_run(&ebpf, f)?;
                     ensure!(verdict == TC_ACT_OK, "verdict {verdict:#x} for a {flow:?} flow at {scale} services");
                     if i == 0 {
-                        check_translated(proto, &out, ports(proto).1).with_context(|| format!("{flow:?} {} flow at {scale} services", proto_name(proto)))?;
+                        check_translated(&out, ports(proto).1).with_context(|| format!("{flow:?} {} flow at {scale} services", proto_name(proto)))?;
                     }
                     ns.push(d.as_nanos() as f64);
                 }
@@ -298,7 +298,7 @@ fn steady(ebpf: &Ebpf, maps: &Maps, proto: u8, client: u32, repeat: u32) -> Resu
         let res = prog.test_run(TestRunOptions { data_in: Some(&f), data_out: Some(&mut out), repeat, ..TestRunOptions::new() })?;
         ensure!(res.return_value == TC_ACT_OK, "ping-pong Services verdict {:#x}", res.return_value);
         // An even number of runs leaves the frame addressed to A again.
-        check_translated(proto, &out[..f.len()], ports(proto).0).context("ping-pong Services")?;
+        check_translated(&out[..f.len()], ports(proto).0).context("ping-pong Services")?;
         batches.push(res.duration.as_nanos() as f64);
     }
     let after = maps.read_counters()?;
@@ -354,69 +354,29 @@ fn test_run(ebpf: &Ebpf, frame: &[u8]) -> Result<(u32, Duration, Vec<u8>)> {
 /// after the rewrite, a valid IPv4 checksum and a valid L4 checksum (for
 /// SCTP, the CRC32c the reference computes): the measured path did the
 /// whole rewrite, checksums included.
-fn check_translated(proto: u8, frame: &[u8], want_dport: u16) -> Result<()> {
-    let (dport, ip_ok, l4_ok) = if proto == IPPROTO_SCTP {
-        let seen = sctp::parse_frame(frame)?;
-        (seen.dst.port(), seen.ip_checksum_ok, seen.crc_ok())
-    } else {
-        let p = etherparse::SlicedPacket::from_ethernet(frame).context("parsing the frame out")?;
-        let Some(etherparse::NetSlice::Ipv4(ip)) = &p.net else { anyhow::bail!("no IPv4 header in the frame out") };
-        let h = ip.header().to_header();
-        let ip_ok = h.calc_header_checksum() == h.header_checksum;
-        let (src, dst) = (h.source, h.destination);
-        match &p.transport {
-            Some(etherparse::TransportSlice::Tcp(t)) => {
-                let ok = t.calc_checksum_ipv4(src, dst).ok() == Some(t.checksum());
-                (t.destination_port(), ip_ok, ok)
-            }
-            Some(etherparse::TransportSlice::Udp(u)) => {
-                let ok = u.to_header().calc_checksum_ipv4_raw(src, dst, u.payload()).ok() == Some(u.checksum());
-                (u.destination_port(), ip_ok, ok)
-            }
-            _ => anyhow::bail!("no TCP or UDP header in the frame out"),
-        }
-    };
+fn check_translated(frame: &[u8], want_dport: u16) -> Result<()> {
+    let (_, dport) = frames::ports(frame).context("no TCP, UDP or SCTP header in the frame out")?;
     ensure!(dport == want_dport, "destination port {dport} out, want {want_dport}");
-    ensure!(ip_ok, "IPv4 header checksum wrong after the rewrite");
-    ensure!(l4_ok, "{} checksum wrong after the rewrite", proto_name(proto));
-    Ok(())
+    frames::check_checksums(frame).map_err(|e| anyhow::anyhow!("after the rewrite: {e}"))
 }
-
-const MAC_SRC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
-const MAC_DST: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
 
 /// A TCP segment with ACK (the same frame serves the first packet and the
 /// ones after it), a UDP datagram or an SCTP DATA chunk, 32 bytes of payload.
 fn frame(proto: u8, src: ([u8; 4], u16), dst: ([u8; 4], u16)) -> Vec<u8> {
     let payload = [0x5au8; 32];
-    if proto == IPPROTO_SCTP {
-        let packet = sctp::packet(src.1, dst.1, 0x1122_3344, &[chunk::data(1, &payload)]);
-        return sctp::frame(src.0, dst.0, &packet, MAC_SRC, MAC_DST);
+    match proto {
+        IPPROTO_SCTP => frames::sctp_frame(src, dst, 0x1122_3344, &[chunk::data(1, &payload)]),
+        IPPROTO_TCP => frames::tcp(src, dst, &payload, |h| {
+            h.ack = true;
+            h.acknowledgment_number = 1;
+        }),
+        _ => frames::udp(src, dst, &payload),
     }
-    let mut v = Vec::new();
-    let ip = PacketBuilder::ethernet2(MAC_SRC, MAC_DST).ipv4(src.0, dst.0, 64);
-    if proto == IPPROTO_TCP {
-        let mut h = TcpHeader::new(src.1, dst.1, 1_000_000, 64240);
-        h.ack = true;
-        h.acknowledgment_number = 1;
-        ip.tcp_header(h).write(&mut v, &payload).unwrap();
-    } else {
-        ip.udp(src.1, dst.1).write(&mut v, &payload).unwrap();
-    }
-    v
 }
 
+/// What the program leaves at once: the floor of the method.
 fn arp_frame() -> Vec<u8> {
-    let mut f = Vec::new();
-    f.extend_from_slice(&[0xff; 6]);
-    f.extend_from_slice(&MAC_SRC);
-    f.extend_from_slice(&0x0806u16.to_be_bytes());
-    f.extend_from_slice(&[0, 1, 0x08, 0x00, 6, 4, 0, 1]);
-    f.extend_from_slice(&MAC_SRC);
-    f.extend_from_slice(&[10, 200, 0, 1]);
-    f.extend_from_slice(&[0; 6]);
-    f.extend_from_slice(&[10, 96, 0, 1]);
-    f
+    frames::arp_request([10, 200, 0, 1], [10, 96, 0, 1])
 }
 
 pub fn median(v: &[f64]) -> f64 {
