@@ -29,7 +29,7 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use aya::{
     Ebpf,
     programs::{SchedClassifier, TestRun, TestRunOptions},
@@ -296,7 +296,16 @@ fn steady(ebpf: &Ebpf, maps: &Maps, proto: u8, client: u32, repeat: u32) -> Resu
     for _ in 0..BATCHES {
         let mut out = vec![0u8; f.len() + 64];
         let res = prog.test_run(TestRunOptions { data_in: Some(&f), data_out: Some(&mut out), repeat, ..TestRunOptions::new() })?;
-        ensure!(res.return_value == TC_ACT_OK, "ping-pong Services verdict {:#x}", res.return_value);
+        if res.return_value != TC_ACT_OK {
+            // Which counters moved says why the program dropped or passed it.
+            let after = maps.read_counters()?;
+            let moved: Vec<String> = Counter::ALL
+                .iter()
+                .filter(|c| after[**c as usize] != before[**c as usize])
+                .map(|c| format!("{} +{}", c.name(), after[*c as usize] - before[*c as usize]))
+                .collect();
+            bail!("ping-pong Services verdict {:#x} (counters: {})", res.return_value, moved.join(", "));
+        }
         // An even number of runs leaves the frame addressed to A again.
         check_translated(&out[..f.len()], ports(proto).0).context("ping-pong Services")?;
         batches.push(res.duration.as_nanos() as f64);
