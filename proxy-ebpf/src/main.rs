@@ -454,7 +454,7 @@ mod program {
         if pkt.fragment == fragment::FIRST {
             fragment::remember_first::<V6>(&ctx, &pkt);
         }
-        let Some((addr, port)) = masquerade::source_for(&ctx, &pkt) else {
+        let Some((addr, port)) = masquerade::source_for::<V6>(&ctx, &pkt) else {
             count(Counter::SnatFailed);
             return NOT_OURS;
         };
@@ -553,7 +553,7 @@ mod program {
             fragment::remember_first::<F>(ctx, &pkt);
         }
         let source = if mark & MASQUERADE_MARK != 0 {
-            masquerade::source_for(ctx, &pkt)
+            masquerade::source_for::<F>(ctx, &pkt)
         } else {
             conntrack::lookup(&pkt.tuple).filter(|e| e.direction == CT_REPLY).map(|e| (e.nat_addr, e.nat_port))
         };
@@ -735,7 +735,7 @@ mod program {
         if pkt.proto != IPPROTO_TCP {
             return NOT_OURS;
         }
-        let Some((addr, port)) = masquerade::node_source_for(ctx, &pkt) else { return NOT_OURS };
+        let Some((addr, port)) = masquerade::node_source_for::<F>(ctx, &pkt) else { return NOT_OURS };
         match nat::rewrite_src::<F>(ctx, &pkt, &addr, port) {
             Ok(()) => TC_ACT_OK as i32,
             Err(_) => {
