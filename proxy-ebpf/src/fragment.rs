@@ -21,6 +21,7 @@ use proxy_common::{Addr, Counter, FragmentKey, FragmentPorts};
 
 use crate::{
     context::PacketContext,
+    family::Family,
     headers::{IPV6_HLEN, IPV6_SRC_OFF, IPV6_DST_OFF},
     maps::{FRAGMENT_KEY, FRAGMENTS, count},
     packet::Packet,
@@ -61,9 +62,9 @@ pub fn key_v6(ctx: &impl PacketContext, l3_off: usize, id: u32, proto: u8) -> Op
 /// Called by the programs that follow fragments (ingress, egress, IPv6
 /// masquerade), not by `parse`, which every program inlines.
 #[inline(always)]
-pub fn remember_first<const V6: bool>(ctx: &impl PacketContext, pkt: &Packet) {
+pub fn remember_first<F: Family>(ctx: &impl PacketContext, pkt: &Packet) {
     // IPv4: the header's ID; IPv6: the Fragment header's, after the fixed one.
-    let id = if V6 {
+    let id = if F::V6 {
         ctx.load::<u32>(pkt.l3_off + IPV6_HLEN + 4).map(u32::from_be)
     } else {
         ctx.load::<u16>(pkt.l3_off + 4).map(|id| u16::from_be(id) as u32)

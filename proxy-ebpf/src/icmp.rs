@@ -31,6 +31,7 @@ use proxy_common::{
 use crate::{
     context::PacketContext,
     conntrack,
+    family::Family,
     headers::{ETH_P_IP, ETH_P_IPV6, IPV4_CSUM_OFF, IPV4_SRC_OFF, IPV4_DST_OFF, IPV6_HLEN, IPV6_SRC_OFF, IPV6_DST_OFF, TCP_CSUM_OFF, UDP_CSUM_OFF, ICMP_HLEN, ICMP_CSUM_OFF},
     l2,
 };
@@ -39,9 +40,9 @@ use crate::{
 /// family; None for anything else (ARP, say, whose bytes at the protocol's
 /// place mean something else).
 #[inline(always)]
-pub fn ip_protocol<const V6: bool>(ctx: &impl PacketContext) -> Option<u8> {
+pub fn ip_protocol<F: Family>(ctx: &impl PacketContext) -> Option<u8> {
     let ethertype = l2::ethertype(ctx)?;
-    if V6 {
+    if F::V6 {
         if ethertype != ETH_P_IPV6 {
             return None;
         }
@@ -57,17 +58,17 @@ pub fn ip_protocol<const V6: bool>(ctx: &impl PacketContext) -> Option<u8> {
 /// Whether the frame carries ICMP (ICMPv6 for `V6`): the cheap test egress
 /// makes before handing a packet to these programs.
 #[inline(always)]
-pub fn is_icmp<const V6: bool>(ctx: &impl PacketContext) -> bool {
-    ip_protocol::<V6>(ctx) == Some(if V6 { IPPROTO_ICMPV6 } else { IPPROTO_ICMP })
+pub fn is_icmp<F: Family>(ctx: &impl PacketContext) -> bool {
+    ip_protocol::<F>(ctx) == Some(if F::V6 { IPPROTO_ICMPV6 } else { IPPROTO_ICMP })
 }
 
 /// The destination of an IP packet that is no ICMP error about a flow (an
 /// echo request, or another protocol than TCP, UDP and SCTP). Only for a
 /// frame `ip_protocol` accepted.
 #[inline(always)]
-pub fn destination<const V6: bool>(ctx: &impl PacketContext) -> Option<Addr> {
+pub fn destination<F: Family>(ctx: &impl PacketContext) -> Option<Addr> {
     let l3 = l2::l3_off();
-    if V6 {
+    if F::V6 {
         Some(Addr(ctx.load(l3 + IPV6_DST_OFF).ok()?))
     } else {
         Some(Addr::from_v4_octets(ctx.load(l3 + IPV4_DST_OFF).ok()?))
@@ -78,8 +79,8 @@ pub fn destination<const V6: bool>(ctx: &impl PacketContext) -> Option<Addr> {
 /// fragmentation needed), time exceeded, parameter problem; for ICMPv6 also
 /// packet too big.
 #[inline(always)]
-fn is_error<const V6: bool>(icmp_type: u8) -> bool {
-    if V6 { matches!(icmp_type, 1..=4) } else { matches!(icmp_type, 3 | 11 | 12) }
+fn is_error<F: Family>(icmp_type: u8) -> bool {
+    if F::V6 { matches!(icmp_type, 1..=4) } else { matches!(icmp_type, 3 | 11 | 12) }
 }
 
 /// An ICMP error and the packet it quotes.
@@ -97,10 +98,10 @@ struct Error {
 }
 
 #[inline(always)]
-fn parse<const V6: bool>(ctx: &impl PacketContext) -> Option<Error> {
+fn parse<F: Family>(ctx: &impl PacketContext) -> Option<Error> {
     let ethertype = l2::ethertype(ctx)?;
     let l3 = l2::l3_off();
-    let (icmp, outer_src, outer_dst) = if V6 {
+    let (icmp, outer_src, outer_dst) = if F::V6 {
         if ethertype != ETH_P_IPV6 || ctx.load::<u8>(l3 + 6).ok()? != IPPROTO_ICMPV6 {
             return None;
         }
@@ -117,11 +118,11 @@ fn parse<const V6: bool>(ctx: &impl PacketContext) -> Option<Error> {
         }
         (l3 + ihl, Addr::from_v4_octets(ctx.load(l3 + IPV4_SRC_OFF).ok()?), Addr::from_v4_octets(ctx.load(l3 + IPV4_DST_OFF).ok()?))
     };
-    if !is_error::<V6>(ctx.load(icmp).ok()?) {
+    if !is_error::<F>(ctx.load(icmp).ok()?) {
         return None;
     }
     let inner_l3 = icmp + ICMP_HLEN;
-    let (inner_l4, proto, src, dst) = if V6 {
+    let (inner_l4, proto, src, dst) = if F::V6 {
         let proto: u8 = ctx.load(inner_l3 + 6).ok()?;
         (inner_l3 + IPV6_HLEN, proto, Addr(ctx.load(inner_l3 + IPV6_SRC_OFF).ok()?), Addr(ctx.load(inner_l3 + IPV6_DST_OFF).ok()?))
     } else {
@@ -164,8 +165,8 @@ fn reply_to(quoted: &CtKey) -> CtKey {
 /// rewritten, `Some(Err)` when a rewrite failed, `None` when it is none of
 /// ours. `INGRESS`: undo masquerade; else undo DNAT (see the module doc).
 #[inline(always)]
-pub fn translate<const V6: bool, const INGRESS: bool>(ctx: &impl PacketContext) -> Option<Result<(), i64>> {
-    let e = parse::<V6>(ctx)?;
+pub fn translate<F: Family, const INGRESS: bool>(ctx: &impl PacketContext) -> Option<Result<(), i64>> {
+    let e = parse::<F>(ctx)?;
     let key = reply_to(&e.quoted);
     let ct = conntrack::lookup(&key)?;
     // A node socket's flow: its errors are delivered to the node, which
@@ -179,14 +180,14 @@ pub fn translate<const V6: bool, const INGRESS: bool>(ctx: &impl PacketContext) 
         }
         let (client, client_port) = (ct.rev_addr, ct.rev_port);
         let to_masquerade_address = e.outer_dst == e.quoted.src;
-        Some(rewrite_quoted::<V6>(ctx, &e, true, &client, client_port).and_then(|()| {
-            if to_masquerade_address { rewrite_outer::<V6>(ctx, &e, false, &client) } else { Ok(()) }
+        Some(rewrite_quoted::<F>(ctx, &e, true, &client, client_port).and_then(|()| {
+            if to_masquerade_address { rewrite_outer::<F>(ctx, &e, false, &client) } else { Ok(()) }
         }))
     } else {
         let (frontend, frontend_port) = (ct.nat_addr, ct.nat_port);
         let from_backend = e.outer_src == e.quoted.dst;
-        Some(rewrite_quoted::<V6>(ctx, &e, false, &frontend, frontend_port).and_then(|()| {
-            if from_backend { rewrite_outer::<V6>(ctx, &e, true, &frontend) } else { Ok(()) }
+        Some(rewrite_quoted::<F>(ctx, &e, false, &frontend, frontend_port).and_then(|()| {
+            if from_backend { rewrite_outer::<F>(ctx, &e, true, &frontend) } else { Ok(()) }
         }))
     }
 }
@@ -194,8 +195,8 @@ pub fn translate<const V6: bool, const INGRESS: bool>(ctx: &impl PacketContext) 
 /// The `i`th 32-bit word of an address as it is on the wire (IPv4: the
 /// address itself).
 #[inline(always)]
-fn word<const V6: bool>(addr: &Addr, i: usize) -> [u8; 4] {
-    if V6 {
+fn word<F: Family>(addr: &Addr, i: usize) -> [u8; 4] {
+    if F::V6 {
         let b = &addr.0[i * 4..i * 4 + 4];
         [b[0], b[1], b[2], b[3]]
     } else {
@@ -216,17 +217,17 @@ fn fold(ctx: &impl PacketContext, e: &Error, old: u32, new: u32, size: u64) -> R
 /// Rewrites the quote's source (`source`) or destination address and port,
 /// with its checksums and the ICMP checksum.
 #[inline(always)]
-fn rewrite_quoted<const V6: bool>(ctx: &impl PacketContext, e: &Error, source: bool, addr: &Addr, port: u16) -> Result<(), i64> {
+fn rewrite_quoted<F: Family>(ctx: &impl PacketContext, e: &Error, source: bool, addr: &Addr, port: u16) -> Result<(), i64> {
     let (old_addr, old_port) = if source { (e.quoted.src, e.quoted.sport) } else { (e.quoted.dst, e.quoted.dport) };
-    let words = if V6 { 4 } else { 1 };
+    let words = if F::V6 { 4 } else { 1 };
     // The quote's TCP/UDP checksum covers its addresses (pseudo-header) and
     // ports. IPv4 UDP without a checksum (0) keeps none.
     if let Some(off) = e.inner_csum {
         let old: [u8; 2] = ctx.load(off)?;
-        if V6 || e.quoted.proto != IPPROTO_UDP || old != [0, 0] {
+        if F::V6 || e.quoted.proto != IPPROTO_UDP || old != [0, 0] {
             let mut new = old;
             for i in 0..words {
-                new = csum::replace4(new, word::<V6>(&old_addr, i), word::<V6>(addr, i));
+                new = csum::replace4(new, word::<F>(&old_addr, i), word::<F>(addr, i));
             }
             new = csum::replace2(new, old_port.to_ne_bytes(), port.to_ne_bytes());
             if e.quoted.proto == IPPROTO_UDP && new == [0, 0] {
@@ -237,7 +238,7 @@ fn rewrite_quoted<const V6: bool>(ctx: &impl PacketContext, e: &Error, source: b
             ctx.store(off, &new, 0)?;
         }
     }
-    if !V6 {
+    if !F::V6 {
         let off = e.inner_l3 + IPV4_CSUM_OFF;
         let old: [u8; 2] = ctx.load(off)?;
         let new = csum::replace4(old, old_addr.v4_octets(), addr.v4_octets());
@@ -245,16 +246,16 @@ fn rewrite_quoted<const V6: bool>(ctx: &impl PacketContext, e: &Error, source: b
         ctx.store(off, &new, 0)?;
     }
     for i in 0..words {
-        let (old, new) = (word::<V6>(&old_addr, i), word::<V6>(addr, i));
+        let (old, new) = (word::<F>(&old_addr, i), word::<F>(addr, i));
         fold(ctx, e, u32::from_ne_bytes(old), u32::from_ne_bytes(new), 4)?;
     }
-    let addr_off = e.inner_l3 + match (V6, source) {
+    let addr_off = e.inner_l3 + match (F::V6, source) {
         (true, true) => 8,
         (true, false) => 24,
         (false, true) => 12,
         (false, false) => 16,
     };
-    if V6 {
+    if F::V6 {
         ctx.store(addr_off, &addr.0, 0)?;
     } else {
         ctx.store(addr_off, &addr.v4_octets(), 0)?;
@@ -267,12 +268,12 @@ fn rewrite_quoted<const V6: bool>(ctx: &impl PacketContext, e: &Error, source: b
 /// Rewrites the error's own source (`source`) or destination address: with
 /// the IPv4 header checksum, or ICMPv6's, which covers it.
 #[inline(always)]
-fn rewrite_outer<const V6: bool>(ctx: &impl PacketContext, e: &Error, source: bool, addr: &Addr) -> Result<(), i64> {
+fn rewrite_outer<F: Family>(ctx: &impl PacketContext, e: &Error, source: bool, addr: &Addr) -> Result<(), i64> {
     let l3 = l2::l3_off();
     let old = if source { e.outer_src } else { e.outer_dst };
-    if V6 {
+    if F::V6 {
         for i in 0..4 {
-            let (o, n) = (u32::from_ne_bytes(word::<true>(&old, i)), u32::from_ne_bytes(word::<true>(addr, i)));
+            let (o, n) = (u32::from_ne_bytes(word::<F>(&old, i)), u32::from_ne_bytes(word::<F>(addr, i)));
             if o != n {
                 ctx.l4_csum_replace(e.icmp + ICMP_CSUM_OFF, o as u64, n as u64, BPF_F_PSEUDO_HDR as u64 | 4)?;
             }

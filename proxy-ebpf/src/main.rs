@@ -9,6 +9,8 @@ mod conntrack;
 #[cfg(target_arch = "bpf")]
 mod context;
 #[cfg(target_arch = "bpf")]
+mod family;
+#[cfg(target_arch = "bpf")]
 mod fragment;
 #[cfg(target_arch = "bpf")]
 mod headers;
@@ -24,8 +26,6 @@ mod maps;
 mod masquerade;
 #[cfg(target_arch = "bpf")]
 mod nat;
-#[cfg(target_arch = "bpf")]
-mod nat6;
 #[cfg(target_arch = "bpf")]
 mod packet;
 #[cfg(target_arch = "bpf")]
@@ -68,11 +68,12 @@ mod program {
     use crate::{
         conntrack::{self, Confirming},
         headers::{TCP_SEQ_OFF, TCP_ACK_OFF, TCP_RST},
+        family::{Family, V4, V6},
         fragment,
         lb::{self, Miss},
         icmp,
         maps::{FRAGMENT_PROGRAMS, ICMP_PROGRAMS, IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, REJECT_BUDGETS, REJECT_PROGRAMS, count},
-        masquerade, nat, nat6, packet, parse, parse6, reject, reject6, route, skb, sock, trace,
+        masquerade, nat, packet, parse, parse6, reject, reject6, route, skb, sock, trace,
     };
 
     /// Leaves the packet to whatever runs next (TCX_NEXT / TC_ACT_UNSPEC).
@@ -84,13 +85,13 @@ mod program {
         if skb::is_ipv6(&ctx) {
             return to_ipv6::<false>(&ctx, IPV6_PROG_INGRESS);
         }
-        ingress::<false, false>(&ctx)
+        ingress::<false, V4>(&ctx)
     }
 
     /// `tc_ingress` for IPv6 frames, reached by tail call from it.
     #[classifier]
     pub fn tc_ingress6(ctx: TcContext) -> i32 {
-        ingress::<false, true>(&ctx)
+        ingress::<false, V6>(&ctx)
     }
 
     /// `ebpf-proxy trace`: the same decisions on a synthetic packet (run with
@@ -101,12 +102,12 @@ mod program {
         if skb::is_ipv6(&ctx) {
             return to_ipv6::<true>(&ctx, IPV6_PROG_TRACE);
         }
-        ingress::<true, false>(&ctx)
+        ingress::<true, V4>(&ctx)
     }
 
     #[classifier]
     pub fn tc_trace6(ctx: TcContext) -> i32 {
-        ingress::<true, true>(&ctx)
+        ingress::<true, V6>(&ctx)
     }
 
     /// Hands an IPv6 frame to the IPv6 program in `slot`. A tail call, not a
@@ -126,17 +127,17 @@ mod program {
     /// (a small program, cheap to verify).
     #[classifier]
     pub fn tc_ingress_fragment(ctx: TcContext) -> i32 {
-        later_fragment_in::<false>(&ctx)
+        later_fragment_in::<V4>(&ctx)
     }
 
     #[classifier]
     pub fn tc_ingress_fragment6(ctx: TcContext) -> i32 {
-        later_fragment_in::<true>(&ctx)
+        later_fragment_in::<V6>(&ctx)
     }
 
     #[inline(always)]
-    fn later_fragment_in<const V6: bool>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<V6, true>(ctx);
+    fn later_fragment_in<F: Family>(ctx: &TcContext) -> i32 {
+        let parsed = parse_family::<F, true>(ctx);
         let pkt = match parsed {
             Ok(pkt) => pkt,
             Err(reason) => {
@@ -152,30 +153,30 @@ mod program {
         };
         let masquerade = ct.flags & CT_MASQUERADE != 0;
         if ct.direction == CT_REPLY {
-            let done = if masquerade { nat::rewrite_dst_address(ctx, &pkt, &ct.rev_addr) } else { Ok(()) };
+            let done = if masquerade { nat::rewrite_dst_address::<F>(ctx, &pkt, &ct.rev_addr) } else { Ok(()) };
             set_mark(ctx, REVERSE_NAT_MARK);
             return verdict::<false>(done, Counter::Reply);
         }
         if masquerade {
             set_mark(ctx, MASQUERADE_MARK);
         }
-        verdict::<false>(nat::rewrite_dst_address(ctx, &pkt, &ct.nat_addr), Counter::Established)
+        verdict::<false>(nat::rewrite_dst_address::<F>(ctx, &pkt, &ct.nat_addr), Counter::Established)
     }
 
     #[inline(always)]
-    fn ingress<const TRACE: bool, const V6: bool>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<V6, false>(ctx);
+    fn ingress<const TRACE: bool, F: Family>(ctx: &TcContext) -> i32 {
+        let parsed = parse_family::<F, false>(ctx);
         let pkt = match parsed {
             Ok(pkt) => pkt,
             Err(reason) => {
-                if !TRACE && reason == Counter::Passed && icmp::ip_protocol::<V6>(ctx).is_some() {
+                if !TRACE && reason == Counter::Passed && icmp::ip_protocol::<F>(ctx).is_some() {
                     // An IP protocol parse leaves alone (ICMP, GRE, ESP...):
                     // tc_icmp_error_in(6), which counts.
-                    let _ = unsafe { ICMP_PROGRAMS.tail_call(ctx, if V6 { ICMP_PROG_INGRESS6 } else { ICMP_PROG_INGRESS }) };
+                    let _ = unsafe { ICMP_PROGRAMS.tail_call(ctx, if F::V6 { ICMP_PROG_INGRESS6 } else { ICMP_PROG_INGRESS }) };
                 }
                 if !TRACE && reason == Counter::Fragment {
                     // tc_ingress_fragment(6), which counts.
-                    let slot = if V6 { FRAGMENT_PROG_INGRESS6 } else { FRAGMENT_PROG_INGRESS };
+                    let slot = if F::V6 { FRAGMENT_PROG_INGRESS6 } else { FRAGMENT_PROG_INGRESS };
                     let _ = unsafe { FRAGMENT_PROGRAMS.tail_call(ctx, slot) };
                 }
                 note::<TRACE>(reason);
@@ -183,7 +184,7 @@ mod program {
             }
         };
         if !TRACE && pkt.fragment == fragment::FIRST {
-            fragment::remember_first::<V6>(ctx, &pkt);
+            fragment::remember_first::<F>(ctx, &pkt);
         }
 
         // A known flow: one lookup finds its translation in either direction.
@@ -201,7 +202,7 @@ mod program {
                     }
                     if !TRACE && ct.flags & CT_NODE != 0 {
                         // To a node socket: tc_ingress_node_reply(6).
-                        let _ = if V6 {
+                        let _ = if F::V6 {
                             unsafe { NODE6_PROGRAMS.tail_call(ctx, NODE6_PROG_INGRESS_REPLY) }
                         } else {
                             unsafe { NODE_PROGRAMS.tail_call(ctx, NODE_PROG_INGRESS_REPLY) }
@@ -212,7 +213,7 @@ mod program {
                     let mut done = Ok(());
                     if ct.flags & CT_MASQUERADE != 0 {
                         // Addressed to the SNAT address and port: back to the client.
-                        done = nat::rewrite_dst(ctx, &pkt, &ct.rev_addr, ct.rev_port);
+                        done = nat::rewrite_dst::<F>(ctx, &pkt, &ct.rev_addr, ct.rev_port);
                     }
                     // The source becomes the frontend at egress, after routing.
                     set_mark(ctx, REVERSE_NAT_MARK);
@@ -233,18 +234,18 @@ mod program {
                     if ct.flags & CT_MASQUERADE != 0 {
                         set_mark(ctx, MASQUERADE_MARK);
                     }
-                    return verdict::<TRACE>(nat::rewrite_dst(ctx, &pkt, &ct.nat_addr, ct.nat_port), Counter::Established);
+                    return verdict::<TRACE>(nat::rewrite_dst::<F>(ctx, &pkt, &ct.nat_addr, ct.nat_port), Counter::Established);
                 }
                 // The backend is gone: choose again below, so the flow moves to a
                 // live backend instead of black-holing.
                 _ => {
                     note::<TRACE>(Counter::Rebalanced);
-                    return new_flow::<TRACE, V6, false>(ctx, &pkt, true);
+                    return new_flow::<TRACE, F, false>(ctx, &pkt, true);
                 }
             }
         }
 
-        new_flow::<TRACE, V6, false>(ctx, &pkt, false)
+        new_flow::<TRACE, F, false>(ctx, &pkt, false)
     }
 
     /// A reply of an unconfirmed flow: it confirms the flow if it may (see
@@ -278,7 +279,7 @@ mod program {
     /// back into the node's own stack). `known`: the flow has an entry,
     /// whose backend went away.
     #[inline(always)]
-    fn new_flow<const TRACE: bool, const V6: bool, const NODE: bool>(
+    fn new_flow<const TRACE: bool, F: Family, const NODE: bool>(
         ctx: &TcContext,
         pkt: &packet::Packet,
         known: bool,
@@ -294,7 +295,7 @@ mod program {
                 }
                 return NOT_OURS;
             }
-            Err(Miss::Reject) => return reject_packet::<TRACE, V6, NODE>(ctx, pkt),
+            Err(Miss::Reject) => return reject_packet::<TRACE, F, NODE>(ctx, pkt),
             Err(Miss::DropUnallocated) => {
                 note::<TRACE>(Counter::DropUnallocated);
                 return DROP;
@@ -320,7 +321,7 @@ mod program {
                 return DROP;
             }
             note::<TRACE>(Counter::NoBackend);
-            return reject_packet::<TRACE, V6, NODE>(ctx, pkt);
+            return reject_packet::<TRACE, F, NODE>(ctx, pkt);
         };
         if sticky {
             note::<TRACE>(Counter::AffinityHit);
@@ -348,14 +349,14 @@ mod program {
             note::<TRACE>(Counter::Masqueraded);
             set_mark(ctx, MASQUERADE_MARK);
         }
-        verdict::<TRACE>(nat::rewrite_dst(ctx, pkt, &backend.addr, backend.port), Counter::NewFlow)
+        verdict::<TRACE>(nat::rewrite_dst::<F>(ctx, pkt, &backend.addr, backend.port), Counter::NewFlow)
     }
 
     /// The packet, by the parser of the family the program was built for
     /// (`FRAGMENTS`: the one that follows IP fragments).
     #[inline(always)]
-    fn parse_family<const V6: bool, const FRAGMENTS: bool>(ctx: &TcContext) -> Result<packet::Packet, Counter> {
-        match (V6, FRAGMENTS) {
+    fn parse_family<F: Family, const FRAGMENTS: bool>(ctx: &TcContext) -> Result<packet::Packet, Counter> {
+        match (F::V6, FRAGMENTS) {
             (false, false) => parse::parse(ctx),
             (false, true) => parse::parse_fragment(ctx),
             (true, false) => parse6::parse(ctx),
@@ -376,11 +377,11 @@ mod program {
         // ICMP errors, whatever their mark or sender (the node itself sends
         // some): tc_icmp_error_out(6).
         let v6 = skb::is_ipv6(&ctx);
-        if if v6 { icmp::is_icmp::<true>(&ctx) } else { icmp::is_icmp::<false>(&ctx) } {
+        if if v6 { icmp::is_icmp::<V6>(&ctx) } else { icmp::is_icmp::<V4>(&ctx) } {
             let _ = unsafe { ICMP_PROGRAMS.tail_call(&ctx, if v6 { ICMP_PROG_EGRESS6 } else { ICMP_PROG_EGRESS }) };
             return NOT_OURS;
         }
-        egress::<false>(&ctx)
+        egress::<V4>(&ctx)
     }
 
     /// An ICMP error met at ingress: one about a masqueraded flow goes back
@@ -389,35 +390,35 @@ mod program {
     /// counts for them, and drops those to an unallocated service address.
     #[classifier]
     pub fn tc_icmp_error_in(ctx: TcContext) -> i32 {
-        icmp_error::<false, true>(&ctx)
+        icmp_error::<V4, true>(&ctx)
     }
 
     #[classifier]
     pub fn tc_icmp_error_in6(ctx: TcContext) -> i32 {
-        icmp_error::<true, true>(&ctx)
+        icmp_error::<V6, true>(&ctx)
     }
 
     /// An ICMP error met at egress: the quote names the frontend again.
     /// Reached by tail call from `tc_egress` for ICMP packets.
     #[classifier]
     pub fn tc_icmp_error_out(ctx: TcContext) -> i32 {
-        icmp_error::<false, false>(&ctx)
+        icmp_error::<V4, false>(&ctx)
     }
 
     #[classifier]
     pub fn tc_icmp_error_out6(ctx: TcContext) -> i32 {
-        icmp_error::<true, false>(&ctx)
+        icmp_error::<V6, false>(&ctx)
     }
 
     #[inline(always)]
-    fn icmp_error<const V6: bool, const INGRESS: bool>(ctx: &TcContext) -> i32 {
-        match icmp::translate::<V6, INGRESS>(ctx) {
+    fn icmp_error<F: Family, const INGRESS: bool>(ctx: &TcContext) -> i32 {
+        match icmp::translate::<F, INGRESS>(ctx) {
             Some(done) => verdict::<false>(done, Counter::IcmpErrorTranslated),
             None if INGRESS => {
                 // An echo request, or any other protocol, to an unallocated
                 // service address is dropped, as anything sent there is
                 // (kube-proxy's rule matches every protocol).
-                if icmp::destination::<V6>(ctx).is_some_and(|dst| lb::is_unallocated(&dst)) {
+                if icmp::destination::<F>(ctx).is_some_and(|dst| lb::is_unallocated(&dst)) {
                     count(Counter::DropUnallocated);
                     return DROP;
                 }
@@ -432,7 +433,7 @@ mod program {
     /// `tc_egress` for IPv6 frames, reached by tail call from it.
     #[classifier]
     pub fn tc_egress6(ctx: TcContext) -> i32 {
-        egress::<true>(&ctx)
+        egress::<V6>(&ctx)
     }
 
     /// IPv6 masquerade, reached by tail call from `tc_egress6` (mark already
@@ -451,13 +452,13 @@ mod program {
             Err(_) => return NOT_OURS,
         };
         if pkt.fragment == fragment::FIRST {
-            fragment::remember_first::<true>(&ctx, &pkt);
+            fragment::remember_first::<V6>(&ctx, &pkt);
         }
-        let Some((addr, port)) = masquerade::source_for(&ctx, &pkt) else {
+        let Some((addr, port)) = masquerade::source_for::<V6>(&ctx, &pkt) else {
             count(Counter::SnatFailed);
             return NOT_OURS;
         };
-        match nat6::rewrite_src::<true>(&ctx, &pkt, &addr, port) {
+        match nat::rewrite_src::<V6>(&ctx, &pkt, &addr, port) {
             Ok(()) => TC_ACT_OK as i32,
             Err(_) => {
                 count(Counter::RewriteFailed);
@@ -471,22 +472,22 @@ mod program {
     /// fragment got, found, never chosen (see `tc_ingress_fragment`).
     #[classifier]
     pub fn tc_egress_fragment(ctx: TcContext) -> i32 {
-        later_fragment_out::<false>(&ctx)
+        later_fragment_out::<V4>(&ctx)
     }
 
     #[classifier]
     pub fn tc_egress_fragment6(ctx: TcContext) -> i32 {
-        later_fragment_out::<true>(&ctx)
+        later_fragment_out::<V6>(&ctx)
     }
 
     #[inline(always)]
-    fn later_fragment_out<const V6: bool>(ctx: &TcContext) -> i32 {
+    fn later_fragment_out<F: Family>(ctx: &TcContext) -> i32 {
         let mark = crate::skb::mark(ctx);
         if mark & (MASQUERADE_MARK | REVERSE_NAT_MARK) == 0 {
             return NOT_OURS;
         }
         ctx.set_mark(mark & !(MASQUERADE_MARK | REVERSE_NAT_MARK));
-        let parsed = parse_family::<V6, true>(ctx);
+        let parsed = parse_family::<F, true>(ctx);
         let Ok(pkt) = parsed else { return NOT_OURS };
         let source = if mark & MASQUERADE_MARK != 0 {
             conntrack::snat_choice(&pkt.tuple).map(|e| e.addr)
@@ -497,7 +498,7 @@ mod program {
             count(Counter::SnatFailed);
             return NOT_OURS;
         };
-        match nat::rewrite_src_address(ctx, &pkt, &addr) {
+        match nat::rewrite_src_address::<F>(ctx, &pkt, &addr) {
             Ok(()) => TC_ACT_OK as i32,
             Err(_) => {
                 count(Counter::RewriteFailed);
@@ -507,52 +508,52 @@ mod program {
     }
 
     #[inline(always)]
-    fn egress<const V6: bool>(ctx: &TcContext) -> i32 {
+    fn egress<F: Family>(ctx: &TcContext) -> i32 {
         let mark = crate::skb::mark(ctx);
         if mark & (MASQUERADE_MARK | REVERSE_NAT_MARK) == 0 {
             // A node socket's packet.
             if !skb::from_local_socket(ctx) {
                 return NOT_OURS;
             }
-            if !V6 && skb::is_ipv6(ctx) {
+            if !F::V6 && skb::is_ipv6(ctx) {
                 return to_ipv6::<false>(ctx, IPV6_PROG_EGRESS);
             }
             // tc_egress_node(6) (and tc_egress_node_flow), each with a stack
             // of its own (inline, egress's would pass what older verifiers
             // allow).
-            let _ = if V6 {
+            let _ = if F::V6 {
                 unsafe { NODE6_PROGRAMS.tail_call(ctx, NODE6_PROG_EGRESS) }
             } else {
                 unsafe { NODE_PROGRAMS.tail_call(ctx, NODE_PROG_EGRESS) }
             };
             return NOT_OURS;
         }
-        if !V6 && skb::is_ipv6(ctx) {
+        if !F::V6 && skb::is_ipv6(ctx) {
             return to_ipv6::<false>(ctx, IPV6_PROG_EGRESS);
         }
         ctx.set_mark(mark & !(MASQUERADE_MARK | REVERSE_NAT_MARK));
-        if V6 && mark & MASQUERADE_MARK != 0 {
+        if F::V6 && mark & MASQUERADE_MARK != 0 {
             let _ = unsafe { IPV6_PROGRAMS.tail_call(ctx, IPV6_PROG_MASQUERADE) };
             count(Counter::SnatFailed);
             return NOT_OURS;
         }
-        let parsed = parse_family::<V6, false>(ctx);
+        let parsed = parse_family::<F, false>(ctx);
         let pkt = match parsed {
             Ok(pkt) => pkt,
             Err(Counter::Fragment) => {
                 // tc_egress_fragment(6), which starts over: with the mark.
                 ctx.set_mark(mark);
-                let slot = if V6 { FRAGMENT_PROG_EGRESS6 } else { FRAGMENT_PROG_EGRESS };
+                let slot = if F::V6 { FRAGMENT_PROG_EGRESS6 } else { FRAGMENT_PROG_EGRESS };
                 let _ = unsafe { FRAGMENT_PROGRAMS.tail_call(ctx, slot) };
                 return NOT_OURS;
             }
             Err(_) => return NOT_OURS,
         };
         if pkt.fragment == fragment::FIRST {
-            fragment::remember_first::<V6>(ctx, &pkt);
+            fragment::remember_first::<F>(ctx, &pkt);
         }
         let source = if mark & MASQUERADE_MARK != 0 {
-            masquerade::source_for(ctx, &pkt)
+            masquerade::source_for::<F>(ctx, &pkt)
         } else {
             conntrack::lookup(&pkt.tuple).filter(|e| e.direction == CT_REPLY).map(|e| (e.nat_addr, e.nat_port))
         };
@@ -560,7 +561,7 @@ mod program {
             count(Counter::SnatFailed);
             return NOT_OURS;
         };
-        match nat::rewrite_src(ctx, &pkt, &addr, port) {
+        match nat::rewrite_src::<F>(ctx, &pkt, &addr, port) {
             Ok(()) => TC_ACT_OK as i32,
             Err(_) => {
                 count(Counter::RewriteFailed);
@@ -577,18 +578,18 @@ mod program {
     /// accept beside the reject subprogram (Linux 6.1: 256 bytes).
     #[classifier]
     pub fn tc_ingress_node_reply(ctx: TcContext) -> i32 {
-        node_reply::<false>(&ctx)
+        node_reply::<V4>(&ctx)
     }
 
     /// `tc_ingress_node_reply` for IPv6, from `tc_ingress6`.
     #[classifier]
     pub fn tc_ingress_node_reply6(ctx: TcContext) -> i32 {
-        node_reply::<true>(&ctx)
+        node_reply::<V6>(&ctx)
     }
 
     #[inline(always)]
-    fn node_reply<const V6: bool>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<V6, false>(ctx);
+    fn node_reply<F: Family>(ctx: &TcContext) -> i32 {
+        let parsed = parse_family::<F, false>(ctx);
         let Ok(pkt) = parsed else { return NOT_OURS };
         let Some(ct) = conntrack::lookup(&pkt.tuple).filter(|ct| ct.direction == CT_REPLY && ct.flags & CT_NODE != 0) else {
             return NOT_OURS;
@@ -596,9 +597,9 @@ mod program {
         let ct = *ct;
         let mut done = Ok(());
         if ct.flags & CT_MASQUERADE != 0 {
-            done = nat::rewrite_dst(ctx, &pkt, &ct.rev_addr, ct.rev_port);
+            done = nat::rewrite_dst::<F>(ctx, &pkt, &ct.rev_addr, ct.rev_port);
         }
-        let done = done.and_then(|()| nat::rewrite_src(ctx, &pkt, &ct.nat_addr, ct.nat_port));
+        let done = done.and_then(|()| nat::rewrite_src::<F>(ctx, &pkt, &ct.nat_addr, ct.nat_port));
         match verdict::<false>(done, Counter::Reply) {
             ok if ok == TC_ACT_OK as i32 && ct.flags & CT_LOOPBACK != 0 => to_loopback(ctx),
             verdict => verdict,
@@ -621,7 +622,7 @@ mod program {
     /// `node_to_service`.
     #[classifier]
     pub fn tc_egress_node(ctx: TcContext) -> i32 {
-        if let Some(done) = node_to_service::<false>(&ctx) {
+        if let Some(done) = node_to_service::<V4>(&ctx) {
             return done;
         }
         if masquerade::node_flows_armed() {
@@ -633,7 +634,7 @@ mod program {
     /// `tc_egress_node` for IPv6, from `tc_egress6`.
     #[classifier]
     pub fn tc_egress_node6(ctx: TcContext) -> i32 {
-        if let Some(done) = node_to_service::<true>(&ctx) {
+        if let Some(done) = node_to_service::<V6>(&ctx) {
             return done;
         }
         if masquerade::node_flows_armed() {
@@ -645,14 +646,14 @@ mod program {
     /// `tc_egress_node_flow` for IPv6, from `tc_egress_node6`.
     #[classifier]
     pub fn tc_egress_node_flow6(ctx: TcContext) -> i32 {
-        node_flow::<true>(&ctx)
+        node_flow::<V6>(&ctx)
     }
 
     /// A node socket's IPv4 connection that may have met a masqueraded
     /// flow's tuple (see masquerade::node_source_for), from `tc_egress_node`.
     #[classifier]
     pub fn tc_egress_node_flow(ctx: TcContext) -> i32 {
-        node_flow::<false>(&ctx)
+        node_flow::<V4>(&ctx)
     }
 
     /// The node's own packet to a frontend, which no socket hook pointed at
@@ -665,16 +666,16 @@ mod program {
     /// back on another interface to a loopback address, which Linux drops
     /// as a martian (kube-proxy sets route_localnet for that; we don't).
     #[inline(always)]
-    fn node_to_service<const V6: bool>(ctx: &TcContext) -> Option<i32> {
-        let parsed = parse_family::<V6, false>(ctx);
+    fn node_to_service<F: Family>(ctx: &TcContext) -> Option<i32> {
+        let parsed = parse_family::<F, false>(ctx);
         let pkt = parsed.ok()?;
-        if is_loopback::<V6>(&pkt.tuple.src) {
+        if is_loopback::<F>(&pkt.tuple.src) {
             return None;
         }
         let mut known = false;
         if let Some(ct) = conntrack::lookup_flow(&pkt) {
             if ct.direction == CT_REPLY && ct.flags & CT_NODE == 0 {
-                return Some(local_endpoint_reply(ctx, &pkt, ct));
+                return Some(local_endpoint_reply::<F>(ctx, &pkt, ct));
             }
             if ct.flags & CT_NODE == 0 || ct.direction != CT_ORIGINAL {
                 return None;
@@ -682,15 +683,15 @@ mod program {
             if lb::backend_still_matches(ct, true) {
                 conntrack::touch(ct, pkt.closes_connection());
                 set_mark(ctx, MASQUERADE_MARK);
-                let done = nat::rewrite_dst(ctx, &pkt, &ct.nat_addr, ct.nat_port);
-                return Some(forward::<V6>(ctx, &pkt, verdict::<false>(done, Counter::Established)));
+                let done = nat::rewrite_dst::<F>(ctx, &pkt, &ct.nat_addr, ct.nat_port);
+                return Some(forward::<F>(ctx, &pkt, verdict::<false>(done, Counter::Established)));
             }
             known = true;
         }
         // New, or its backend went away.
-        match new_flow::<false, V6, true>(ctx, &pkt, known) {
+        match new_flow::<false, F, true>(ctx, &pkt, known) {
             NOT_OURS => None,
-            verdict => Some(forward::<V6>(ctx, &pkt, verdict)),
+            verdict => Some(forward::<F>(ctx, &pkt, verdict)),
         }
     }
 
@@ -699,43 +700,43 @@ mod program {
     /// they never reached egress, and the reply never passes ingress, so its
     /// source goes back to the frontend here (and it confirms its flow).
     #[inline(always)]
-    fn local_endpoint_reply<'a>(ctx: &TcContext, pkt: &'a packet::Packet, mut ct: &'a mut proxy_common::CtEntry) -> i32 {
+    fn local_endpoint_reply<'a, F: Family>(ctx: &TcContext, pkt: &'a packet::Packet, mut ct: &'a mut proxy_common::CtEntry) -> i32 {
         if ct.flags & CT_PENDING != 0 {
             let Some(seen) = see_unconfirmed_reply(ctx, pkt, ct) else { return NOT_OURS };
             ct = seen;
         }
         conntrack::touch(ct, pkt.closes_connection());
-        verdict::<false>(nat::rewrite_src(ctx, pkt, &ct.nat_addr, ct.nat_port), Counter::Reply)
+        verdict::<false>(nat::rewrite_src::<F>(ctx, pkt, &ct.nat_addr, ct.nat_port), Counter::Reply)
     }
 
     /// 127.0.0.0/8 or ::1.
     #[inline(always)]
-    fn is_loopback<const V6: bool>(addr: &proxy_common::Addr) -> bool {
-        if V6 { *addr == proxy_common::Addr(core::net::Ipv6Addr::LOCALHOST.octets()) } else { addr.0[12] == 127 }
+    fn is_loopback<F: Family>(addr: &proxy_common::Addr) -> bool {
+        if F::V6 { *addr == proxy_common::Addr(core::net::Ipv6Addr::LOCALHOST.octets()) } else { addr.0[12] == 127 }
     }
 
     /// A node packet's verdict at egress: translated (TC_ACT_OK), it goes on
     /// towards its backend; dropped or rejected, as it is.
     #[inline(always)]
-    fn forward<const V6: bool>(ctx: &TcContext, pkt: &packet::Packet, verdict: i32) -> i32 {
+    fn forward<F: Family>(ctx: &TcContext, pkt: &packet::Packet, verdict: i32) -> i32 {
         if verdict != TC_ACT_OK as i32 {
             return verdict;
         }
-        route::to_destination::<V6>(ctx, pkt.l3_off, pkt.proto).unwrap_or_else(|counter| {
+        route::to_destination::<F>(ctx, pkt.l3_off, pkt.proto).unwrap_or_else(|counter| {
             count(counter);
             DROP
         })
     }
 
     #[inline(always)]
-    fn node_flow<const V6: bool>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<V6, false>(ctx);
+    fn node_flow<F: Family>(ctx: &TcContext) -> i32 {
+        let parsed = parse_family::<F, false>(ctx);
         let Ok(pkt) = parsed else { return NOT_OURS };
         if pkt.proto != IPPROTO_TCP {
             return NOT_OURS;
         }
-        let Some((addr, port)) = masquerade::node_source_for(ctx, &pkt) else { return NOT_OURS };
-        match nat::rewrite_src(ctx, &pkt, &addr, port) {
+        let Some((addr, port)) = masquerade::node_source_for::<F>(ctx, &pkt) else { return NOT_OURS };
+        match nat::rewrite_src::<F>(ctx, &pkt, &addr, port) {
             Ok(()) => TC_ACT_OK as i32,
             Err(_) => {
                 count(Counter::RewriteFailed);
@@ -793,7 +794,7 @@ mod program {
     /// REJECT: a RST is never answered; anything else goes to tc_reject(6)
     /// (a trace builds the reject inline, unlimited).
     #[inline(always)]
-    fn reject_packet<const TRACE: bool, const V6: bool, const NODE: bool>(ctx: &TcContext, pkt: &packet::Packet) -> i32 {
+    fn reject_packet<const TRACE: bool, F: Family, const NODE: bool>(ctx: &TcContext, pkt: &packet::Packet) -> i32 {
         // A first fragment (later ones never get here, see `fragment`): a
         // reject built from it would quote part of a datagram netfilter
         // rejects whole, after reassembly.
@@ -802,10 +803,10 @@ mod program {
             return DROP;
         }
         if TRACE {
-            return send_reject::<true, V6>(ctx, pkt, NODE);
+            return send_reject::<true, F>(ctx, pkt, NODE);
         }
         skb::set_cb0(ctx, NODE as u32);
-        let _ = unsafe { REJECT_PROGRAMS.tail_call(ctx, if V6 { REJECT_PROG_V6 } else { REJECT_PROG_V4 }) };
+        let _ = unsafe { REJECT_PROGRAMS.tail_call(ctx, if F::V6 { REJECT_PROG_V6 } else { REJECT_PROG_V4 }) };
         count(Counter::RejectFailed);
         DROP
     }
@@ -815,17 +816,17 @@ mod program {
     /// becomes the reject and goes back; over it, dropped and counted.
     #[classifier]
     pub fn tc_reject(ctx: TcContext) -> i32 {
-        limited_reject::<false>(&ctx)
+        limited_reject::<V4>(&ctx)
     }
 
     #[classifier]
     pub fn tc_reject6(ctx: TcContext) -> i32 {
-        limited_reject::<true>(&ctx)
+        limited_reject::<V6>(&ctx)
     }
 
     #[inline(always)]
-    fn limited_reject<const V6: bool>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<V6, false>(ctx);
+    fn limited_reject<F: Family>(ctx: &TcContext) -> i32 {
+        let parsed = parse_family::<F, false>(ctx);
         let Ok(pkt) = parsed else {
             count(Counter::RejectFailed);
             return DROP;
@@ -834,7 +835,7 @@ mod program {
             count(Counter::RejectLimited);
             return DROP;
         }
-        send_reject::<false, V6>(ctx, &pkt, skb::cb0(ctx) != 0)
+        send_reject::<false, F>(ctx, &pkt, skb::cb0(ctx) != 0)
     }
 
     #[inline(always)]
@@ -852,8 +853,8 @@ mod program {
     }
 
     #[inline(always)]
-    fn send_reject<const TRACE: bool, const V6: bool>(ctx: &TcContext, pkt: &packet::Packet, node: bool) -> i32 {
-        let rejected = if V6 { reject6::reject(ctx, pkt) } else { reject::reject(ctx, pkt) };
+    fn send_reject<const TRACE: bool, F: Family>(ctx: &TcContext, pkt: &packet::Packet, node: bool) -> i32 {
+        let rejected = if F::V6 { reject6::reject(ctx, pkt) } else { reject::reject(ctx, pkt) };
         match rejected {
             Ok(()) => {
                 note::<TRACE>(Counter::Rejected);

@@ -18,6 +18,7 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, SnatTuple},
+    family::Family,
     maps::{NODE_SNAT, SNAT_ADDRS, count},
     packet::Packet,
 };
@@ -48,7 +49,7 @@ static EPHEMERAL_PORT_MAX: Global<u32> = Global::new(DEFAULT_EPHEMERAL_PORTS.1 a
 /// The source (address, port in network order) this masqueraded flow leaves
 /// with: the one chosen for its first packet, else a new one.
 #[inline(always)]
-pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
+pub fn source_for<F: Family>(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
     let t = &pkt.tuple;
     if let Some(e) = conntrack::snat_choice(t) {
         if pkt.closes_connection() {
@@ -60,8 +61,8 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
     let plain_key = conntrack::reply_key(t, &t.dst, t.dport);
     // A reference, not a copy: the egress programs have little stack left.
     let plain = conntrack::lookup(&plain_key).filter(|e| e.direction == CT_REPLY)?;
-    // Each family's addresses under their own keys (constant per program).
-    let family = if pkt.v6 { SNAT_ADDR_IPV6 } else { 0 };
+    // Each family's addresses under their own keys.
+    let family = if F::V6 { SNAT_ADDR_IPV6 } else { 0 };
     let ifindex = crate::skb::ifindex(ctx) | family;
     let addr = unsafe { SNAT_ADDRS.get(&ifindex).or_else(|| SNAT_ADDRS.get(&family)) }.copied()?;
 
@@ -89,7 +90,7 @@ pub fn source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
             SnatTuple::Reserved => last_resort,
             SnatTuple::Held => false,
         };
-        if !usable || (tcp && socket_holds(ctx, &key, pkt.v6)) {
+        if !usable || (tcp && socket_holds::<F>(ctx, &key)) {
             continue;
         }
         if conntrack::claim_snat_reply(&key, plain, &t.src, t.sport).is_err() {
@@ -192,7 +193,7 @@ fn arm_node_flows() {
 /// own port; the connection's later packets find it in SNAT. The address
 /// stays the socket's.
 #[inline(always)]
-pub fn node_source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
+pub fn node_source_for<F: Family>(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
     let t = &pkt.tuple;
     // The replies as the socket expects them: from the backend itself.
     // A node socket's connection: its first reply confirms it.
@@ -234,7 +235,7 @@ pub fn node_source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
     for _ in 0..PORT_TRIES {
         let port = ports.draw();
         let key = snat_key(t, &t.src, port);
-        if conntrack::snat_tuple(&key, &own, &t.src, t.sport) != SnatTuple::Free || socket_holds(ctx, &key, pkt.v6) {
+        if conntrack::snat_tuple(&key, &own, &t.src, t.sport) != SnatTuple::Free || socket_holds::<F>(ctx, &key) {
             continue;
         }
         conntrack::claim_snat_reply(&key, &own, &t.src, t.sport).ok()?;
@@ -254,10 +255,10 @@ pub fn node_source_for(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
 /// Its replies would meet the masqueraded flow's. Looked up in the netns of
 /// the interface, the node's.
 #[inline(always)]
-fn socket_holds(ctx: &TcContext, reply: &CtKey, v6: bool) -> bool {
+fn socket_holds<F: Family>(ctx: &TcContext, reply: &CtKey) -> bool {
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
     let size = unsafe {
-        if v6 {
+        if F::V6 {
             let t = &mut tuple.__bindgen_anon_1.ipv6;
             t.saddr = core::mem::transmute::<[u8; 16], [u32; 4]>(reply.src.0);
             t.daddr = core::mem::transmute::<[u8; 16], [u32; 4]>(reply.dst.0);

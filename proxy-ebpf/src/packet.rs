@@ -9,7 +9,8 @@ use crate::headers::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 pub struct Packet {
     /// The tuple as it arrived (ports in network order).
     pub tuple: CtKey,
-    /// Offsets of the IPv4 addresses and of the L4 ports and checksum.
+    /// Offsets of the IP header (the program's family: `Family`) and of
+    /// the L4 ports and checksum.
     pub l3_off: usize,
     pub l4_off: usize,
     pub l4_csum_off: usize,
@@ -20,8 +21,6 @@ pub struct Packet {
     /// TCP flags; for SCTP, TCP_SYN when the first chunk is an INIT (see
     /// `sctp::opening_flags`); 0 for UDP.
     pub tcp_flags: u8,
-    /// An IPv6 packet: the addresses are 16 bytes at `parse6`'s offsets.
-    pub v6: bool,
     /// `fragment::NOT_FRAGMENT`, `FIRST` or `LATER`. A later fragment has no
     /// L4 header: its ports are its first's, `l4_csum_off` is 0 and
     /// `tcp_flags` 0.

@@ -97,7 +97,6 @@ fn parse_with<const FRAGMENTS: bool>(ctx: &impl PacketContext) -> Result<Packet,
             l4_end: l3_off + total_len,
             proto,
             tcp_flags: 0,
-            v6: false,
             fragment,
         });
     }
@@ -121,7 +120,6 @@ fn parse_with<const FRAGMENTS: bool>(ctx: &impl PacketContext) -> Result<Packet,
         l4_end: l3_off + total_len,
         proto,
         tcp_flags,
-        v6: false,
         fragment,
     })
 }

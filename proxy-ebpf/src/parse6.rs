@@ -42,9 +42,7 @@ pub fn parse_fragment(ctx: &impl PacketContext) -> Result<Packet, Counter> {
 }
 
 /// As `parse`, the addresses loaded straight into the returned packet: 32
-/// bytes less stack, for `tc_masquerade6`, which is at the limit. Only for
-/// IPv6-only code: a helper writing into `Packet` hides from LLVM that `v6`
-/// is a constant, so code that dispatches on it keeps its IPv4 branch.
+/// bytes less stack, for `tc_masquerade6`, which is at the limit.
 #[inline(always)]
 pub fn parse_in_place(ctx: &impl PacketContext) -> Result<Packet, Counter> {
     parse_with::<true, false>(ctx)
@@ -118,7 +116,6 @@ fn parse_with<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &impl PacketCont
         l4_end,
         proto,
         tcp_flags,
-        v6: true,
         fragment: crate::fragment::NOT_FRAGMENT,
     };
     if IN_PLACE {
@@ -149,7 +146,6 @@ fn first_fragment<const IN_PLACE: bool>(ctx: &impl PacketContext, l4_end: usize)
         l4_end,
         proto: IPPROTO_UDP,
         tcp_flags: 0,
-        v6: true,
         fragment: crate::fragment::FIRST,
     };
     if IN_PLACE {
@@ -177,7 +173,6 @@ fn later_fragment(ctx: &impl PacketContext, l4_end: usize) -> Result<Packet, Cou
         l4_end,
         proto: IPPROTO_UDP,
         tcp_flags: 0,
-        v6: true,
         fragment: crate::fragment::LATER,
     })
 }

@@ -17,6 +17,7 @@ use aya_ebpf::{
 use proxy_common::Counter;
 
 use crate::{
+    family::Family,
     headers::{ETH_ALEN, IPV4_DST_OFF, IPV4_SRC_OFF, IPV6_DST_OFF, IPV6_SRC_OFF},
     l2,
     maps::FIB_SCRATCH,
@@ -30,12 +31,12 @@ const AF_INET6: u8 = 10;
 /// counter to note when there is no such route to forward on: a backend on
 /// the node itself, or forwarding disabled.
 #[inline(always)]
-pub fn to_destination<const V6: bool>(ctx: &TcContext, l3_off: usize, proto: u8) -> Result<i32, Counter> {
+pub fn to_destination<F: Family>(ctx: &TcContext, l3_off: usize, proto: u8) -> Result<i32, Counter> {
     // In map memory: the node program's stack is nearly full.
     let fib = unsafe { &mut *FIB_SCRATCH.get_ptr_mut(0).ok_or(Counter::NodeRouteFailed)? };
     // SAFETY: plain data; zero is a valid value of every field.
     *fib = unsafe { core::mem::zeroed() };
-    if V6 {
+    if F::V6 {
         fib.family = AF_INET6;
         fib.__bindgen_anon_3.ipv6_src = crate::context::read(ctx, l3_off + IPV6_SRC_OFF).ok_or(Counter::Malformed)?;
         fib.__bindgen_anon_4.ipv6_dst = crate::context::read(ctx, l3_off + IPV6_DST_OFF).ok_or(Counter::Malformed)?;
