@@ -9,7 +9,7 @@
 //! as another user, or the other way round, would get the wrong answer. Here
 //! the decision is made when the binary starts. A test file opts in with
 //!
-//! ```ignore
+//! ```text
 //! #![feature(custom_test_frameworks)]
 //! #![test_runner(proxy_tests::harness::run)]
 //! ```
