@@ -191,7 +191,8 @@ impl Source for KubeSource {
         let (slice_store, slice_writer) = reflector::store::<EndpointSlice>();
         let (node_store, node_writer) = reflector::store::<Node>();
         let mut services = Box::pin(watch::<Service>(self.client.clone(), selector.clone()).modify(trim).reflect(service_writer));
-        let mut slices = Box::pin(watch::<EndpointSlice>(self.client.clone(), selector).modify(trim).reflect(slice_writer));
+        // A slice keeps only what the model reads as it is decoded (endpoint_slice.rs): nothing to trim.
+        let mut slices = Box::pin(watch::<EndpointSlice>(self.client.clone(), selector).reflect(slice_writer));
         let mut nodes = Box::pin(watch::<Node>(self.client.clone(), node_selector).modify(node_identity).reflect(node_writer));
 
         // Whether each store has had a complete list (an unserved resource's
