@@ -48,49 +48,102 @@ pub enum Fill {
     Counted(fn(&Path, &str) -> Result<u64>),
     /// An array (or a program array the loader fills): every slot exists
     /// from the start, and it never fills.
-    Slots(u32),
+    Slots,
 }
 
-const fn counted_hash<K: aya::Pod, V: aya::Pod>(name: &'static str) -> PinnedMap {
-    PinnedMap { name, fill: Fill::Counted(hash_entries::<K, V>) }
+/// How the entries of a map of this type are counted.
+pub trait Fills {
+    const FILL: Fill;
 }
 
-const fn counted_trie<K: aya::Pod, V: aya::Pod>(name: &'static str) -> PinnedMap {
-    PinnedMap { name, fill: Fill::Counted(trie_entries::<K, V>) }
+impl<K: aya::Pod, V: aya::Pod> Fills for HashMap<MapData, K, V> {
+    const FILL: Fill = Fill::Counted(hash_entries::<K, V>);
 }
 
-const fn slots(name: &'static str, slots: u32) -> PinnedMap {
-    PinnedMap { name, fill: Fill::Slots(slots) }
+impl<K: aya::Pod, V: aya::Pod> Fills for LpmTrie<MapData, K, V> {
+    const FILL: Fill = Fill::Counted(trie_entries::<K, V>);
 }
 
-/// Every map the agent pins: the one list that `cleanup`, the metrics and
-/// the tests go by.
-pub const PINNED: [PinnedMap; 24] = [
-    counted_hash::<FrontendKey, ServiceEntry>(MAP_FRONTENDS),
-    counted_hash::<SlotKey, u32>(MAP_BACKEND_SLOTS),
-    counted_hash::<u32, Backend>(MAP_BACKENDS),
-    counted_hash::<CtKey, CtEntry>(MAP_CONNTRACK),
-    counted_hash::<u32, ServiceName>(MAP_SERVICE_NAMES),
-    slots(MAP_COUNTERS, MAX_COUNTERS),
-    counted_hash::<CtKey, SnatEntry>(MAP_SNAT),
-    counted_hash::<u32, Addr>(MAP_SNAT_ADDRS),
-    counted_trie::<CidrData, u8>(MAP_CLUSTER_CIDRS),
-    counted_trie::<CidrData, u8>(MAP_SERVICE_CIDRS),
-    counted_trie::<SourceRangeData, u8>(MAP_SOURCE_RANGES),
-    counted_hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY),
-    counted_hash::<SockRevKey, FrontendKey>(MAP_SOCK_REVNAT),
-    slots(MAP_BACKENDS_EPOCH, 1),
-    slots(MAP_IPV6_PROGRAMS, IPV6_PROG_COUNT),
-    slots(MAP_NODE_SNAT, 1),
-    slots(MAP_HOST_NETNS, 2),
-    slots(MAP_NODE_PROGRAMS, NODE_PROG_COUNT),
-    slots(MAP_NODE6_PROGRAMS, NODE6_PROG_COUNT),
-    slots(MAP_REJECT_PROGRAMS, REJECT_PROG_COUNT),
-    counted_hash::<CtKey, CtEntry>(MAP_CT_UNCONFIRMED),
-    counted_hash::<CtKey, SnatEntry>(MAP_SNAT_UNCONFIRMED),
-    slots(MAP_ICMP_PROGRAMS, ICMP_PROG_COUNT),
-    slots(MAP_FRAGMENT_PROGRAMS, FRAGMENT_PROG_COUNT),
-];
+impl<V: aya::Pod> Fills for Array<MapData, V> {
+    const FILL: Fill = Fill::Slots;
+}
+
+impl<V: aya::Pod> Fills for PerCpuArray<MapData, V> {
+    const FILL: Fill = Fill::Slots;
+}
+
+impl Fills for ProgramArray<MapData> {
+    const FILL: Fill = Fill::Slots;
+}
+
+/// The one registry of pinned maps: each map's name and userspace type,
+/// written once. It declares `Maps` (the maps the agent, `dump` and the
+/// tests use, typed) and `PINNED` (every map the agent pins, which
+/// `cleanup`, the metrics and the tests go by); the rest are pinned for the
+/// programs' own use (program arrays, masquerade state, ...).
+macro_rules! pinned_maps {
+    (
+        typed { $( $(#[$doc:meta])* $field:ident: $ty:ty = $name:ident, )* }
+        programs_only { $( $other:ty = $other_name:ident, )* }
+    ) => {
+        pub struct Maps {
+            $( $(#[$doc])* pub $field: $ty, )*
+            /// Each service map's `max_entries`, as created (`ServiceMap` order).
+            pub service_capacity: Entries,
+        }
+
+        impl Maps {
+            /// The typed maps, each from `map(name)`.
+            fn gather(mut map: impl FnMut(&str) -> Result<Map>, root: &Path) -> Result<Maps> {
+                Ok(Maps {
+                    $( $field: map($name)?.try_into().with_context(|| format!("map {}", $name))?, )*
+                    service_capacity: service_capacity(root)?,
+                })
+            }
+        }
+
+        /// Every map the agent pins.
+        pub const PINNED: &[PinnedMap] = &[
+            $( PinnedMap { name: $name, fill: <$ty as Fills>::FILL }, )*
+            $( PinnedMap { name: $other_name, fill: <$other as Fills>::FILL }, )*
+        ];
+    };
+}
+
+pinned_maps! {
+    typed {
+        frontends: HashMap<MapData, FrontendKey, ServiceEntry> = MAP_FRONTENDS,
+        slots: HashMap<MapData, SlotKey, u32> = MAP_BACKEND_SLOTS,
+        backends: HashMap<MapData, u32, Backend> = MAP_BACKENDS,
+        /// Bumped after each backend removal: conntrack entries made before it
+        /// check their backend again (see `del_backend`).
+        backends_epoch: Array<MapData, u32> = MAP_BACKENDS_EPOCH,
+        conntrack: HashMap<MapData, CtKey, CtEntry> = MAP_CONNTRACK,
+        /// Flows without a reply yet (see proxy-ebpf's conntrack).
+        ct_unconfirmed: HashMap<MapData, CtKey, CtEntry> = MAP_CT_UNCONFIRMED,
+        names: HashMap<MapData, u32, ServiceName> = MAP_SERVICE_NAMES,
+        counters: PerCpuArray<MapData, u64> = MAP_COUNTERS,
+        snat_addrs: HashMap<MapData, u32, Addr> = MAP_SNAT_ADDRS,
+        cluster_cidrs: LpmTrie<MapData, CidrData, u8> = MAP_CLUSTER_CIDRS,
+        service_cidrs: LpmTrie<MapData, CidrData, u8> = MAP_SERVICE_CIDRS,
+        source_ranges: LpmTrie<MapData, SourceRangeData, u8> = MAP_SOURCE_RANGES,
+        /// sessionAffinity: the datapath writes it, the reconciler purges it.
+        affinity: HashMap<MapData, AffinityKey, AffinityEntry> = MAP_AFFINITY,
+    }
+    programs_only {
+        HashMap<MapData, CtKey, SnatEntry> = MAP_SNAT,
+        HashMap<MapData, CtKey, SnatEntry> = MAP_SNAT_UNCONFIRMED,
+        HashMap<MapData, SockRevKey, FrontendKey> = MAP_SOCK_REVNAT,
+        Array<MapData, u32> = MAP_NODE_SNAT,
+        Array<MapData, u64> = MAP_HOST_NETNS,
+        ProgramArray<MapData> = MAP_IPV6_PROGRAMS,
+        ProgramArray<MapData> = MAP_NODE_PROGRAMS,
+        ProgramArray<MapData> = MAP_NODE6_PROGRAMS,
+        ProgramArray<MapData> = MAP_REJECT_PROGRAMS,
+        ProgramArray<MapData> = MAP_ICMP_PROGRAMS,
+        ProgramArray<MapData> = MAP_FRAGMENT_PROGRAMS,
+    }
+}
 
 /// Every map the agent pins, by name.
 pub const PINNED_MAPS: [&str; PINNED.len()] = {
@@ -167,28 +220,6 @@ pub fn load_tc(ebpf: &mut Ebpf, name: &str) -> Result<()> {
         programs.set(*slot, &program, 0).with_context(|| format!("installing {called} in {map_name}"))?;
     }
     Ok(())
-}
-
-pub struct Maps {
-    pub frontends: HashMap<MapData, FrontendKey, ServiceEntry>,
-    pub slots: HashMap<MapData, SlotKey, u32>,
-    pub backends: HashMap<MapData, u32, Backend>,
-    /// Bumped after each backend removal: conntrack entries made before it
-    /// check their backend again (see `del_backend`).
-    pub backends_epoch: Array<MapData, u32>,
-    pub conntrack: HashMap<MapData, CtKey, CtEntry>,
-    /// Flows without a reply yet (see proxy-ebpf's conntrack).
-    pub ct_unconfirmed: HashMap<MapData, CtKey, CtEntry>,
-    pub names: HashMap<MapData, u32, ServiceName>,
-    pub counters: PerCpuArray<MapData, u64>,
-    pub snat_addrs: HashMap<MapData, u32, Addr>,
-    pub cluster_cidrs: LpmTrie<MapData, CidrData, u8>,
-    pub service_cidrs: LpmTrie<MapData, CidrData, u8>,
-    pub source_ranges: LpmTrie<MapData, SourceRangeData, u8>,
-    /// sessionAffinity: the datapath writes it, the reconciler purges it.
-    pub affinity: HashMap<MapData, AffinityKey, AffinityEntry>,
-    /// Each service map's `max_entries`, as created (`ServiceMap` order).
-    pub service_capacity: Entries,
 }
 
 /// The service maps' `max_entries` as the kernel holds them: this agent's
@@ -322,23 +353,8 @@ pub fn load_with(options: &LoadOptions) -> Result<(Ebpf, Maps)> {
     let root = options.root.as_path();
     ensure_bpffs(root)?;
     let mut ebpf = load_object(options, LinkKind::Ethernet)?;
-    let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the BPF object"));
-    let mut maps = Maps {
-        frontends: take(MAP_FRONTENDS)?.try_into()?,
-        slots: take(MAP_BACKEND_SLOTS)?.try_into()?,
-        backends: take(MAP_BACKENDS)?.try_into()?,
-        backends_epoch: take(MAP_BACKENDS_EPOCH)?.try_into()?,
-        conntrack: take(MAP_CONNTRACK)?.try_into()?,
-        ct_unconfirmed: take(MAP_CT_UNCONFIRMED)?.try_into()?,
-        names: take(MAP_SERVICE_NAMES)?.try_into()?,
-        counters: take(MAP_COUNTERS)?.try_into()?,
-        snat_addrs: take(MAP_SNAT_ADDRS)?.try_into()?,
-        cluster_cidrs: take(MAP_CLUSTER_CIDRS)?.try_into()?,
-        service_cidrs: take(MAP_SERVICE_CIDRS)?.try_into()?,
-        source_ranges: take(MAP_SOURCE_RANGES)?.try_into()?,
-        affinity: take(MAP_AFFINITY)?.try_into()?,
-        service_capacity: service_capacity(root)?,
-    };
+    let take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the BPF object"));
+    let mut maps = Maps::gather(take, root)?;
     // An agent stopped between a removal and its bump leaves flows that
     // would skip their check: every flow checks its backend once more.
     maps.bump_backends_epoch()?;
@@ -399,22 +415,7 @@ fn open_pin(root: &Path, name: &str) -> Result<Map> {
 impl Maps {
     /// The pinned maps of an agent, without loading any program.
     pub fn open_pinned(root: &Path) -> Result<Maps> {
-        Ok(Maps {
-            frontends: open_pin(root, MAP_FRONTENDS)?.try_into()?,
-            slots: open_pin(root, MAP_BACKEND_SLOTS)?.try_into()?,
-            backends: open_pin(root, MAP_BACKENDS)?.try_into()?,
-            backends_epoch: open_pin(root, MAP_BACKENDS_EPOCH)?.try_into()?,
-            conntrack: open_pin(root, MAP_CONNTRACK)?.try_into()?,
-            ct_unconfirmed: open_pin(root, MAP_CT_UNCONFIRMED)?.try_into()?,
-            names: open_pin(root, MAP_SERVICE_NAMES)?.try_into()?,
-            counters: open_pin(root, MAP_COUNTERS)?.try_into()?,
-            snat_addrs: open_pin(root, MAP_SNAT_ADDRS)?.try_into()?,
-            cluster_cidrs: open_pin(root, MAP_CLUSTER_CIDRS)?.try_into()?,
-            service_cidrs: open_pin(root, MAP_SERVICE_CIDRS)?.try_into()?,
-            source_ranges: open_pin(root, MAP_SOURCE_RANGES)?.try_into()?,
-            affinity: open_pin(root, MAP_AFFINITY)?.try_into()?,
-            service_capacity: service_capacity(root)?,
-        })
+        Maps::gather(|name| open_pin(root, name), root)
     }
 
     /// Everything the service maps hold.

@@ -184,11 +184,12 @@ pub fn map_fill(root: &Path) -> Result<Vec<MapFill>> {
         .iter()
         .map(|m| {
             let info = aya::maps::MapInfo::from_pin(root.join(m.name))?;
+            let capacity = u64::from(info.max_entries());
             let (entries, fills) = match m.fill {
                 Fill::Counted(count) => (count(root, m.name)?, true),
-                Fill::Slots(n) => (u64::from(n), false),
+                Fill::Slots => (capacity, false),
             };
-            Ok(MapFill { map: m.name, entries, capacity: u64::from(info.max_entries()), fills })
+            Ok(MapFill { map: m.name, entries, capacity, fills })
         })
         .collect()
 }
