@@ -64,25 +64,65 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<Object>, ManifestError> {
     parse_fast(text).ok_or(()).or_else(|()| parse_reporting(path, text))
 }
 
-/// Every document as a YAML value, then typed from the value: one pass over
-/// the text. `None` on any error.
+/// Every document typed in one pass over the text (serde buffers each
+/// document once to find `apiVersion`, then `kind`). `None` on any error.
 fn parse_fast(text: &str) -> Option<Vec<Object>> {
     let mut objects = Vec::new();
     for doc in serde_yaml::Deserializer::from_str(text) {
-        let value = serde_yaml::Value::deserialize(doc).ok()?;
-        if value.is_null() {
-            continue; // comment-only document
-        }
-        let field = |name: &str| value.get(name).and_then(serde_yaml::Value::as_str);
-        match kind_of(field("apiVersion"), field("kind")).ok()? {
-            Kind::Service => objects.push(Object::Service(Arc::new(serde_yaml::from_value(value).ok()?))),
-            Kind::EndpointSlice => objects.push(Object::EndpointSlice(Arc::new(serde_yaml::from_value(value).ok()?))),
-            Kind::Node => objects.push(Object::Node(Box::new(serde_yaml::from_value(value).ok()?))),
-            Kind::ServiceCIDR => objects.push(Object::ServiceCIDR(Arc::new(serde_yaml::from_value(value).ok()?))),
-            Kind::Other => {}
-        }
+        // A comment-only document is null.
+        let object = match Option::<Document>::deserialize(doc).ok()? {
+            Some(Document::Core(CoreKind::Service(s))) => Object::Service(Arc::new(s)),
+            Some(Document::Core(CoreKind::Node(n))) => Object::Node(n),
+            Some(Document::Discovery(DiscoveryKind::EndpointSlice(s))) => Object::EndpointSlice(Arc::new(s)),
+            Some(Document::Networking(NetworkingKind::ServiceCIDR(c))) => Object::ServiceCIDR(Arc::new(c)),
+            Some(Document::Core(CoreKind::Other) | Document::Discovery(DiscoveryKind::Other))
+            | Some(Document::Networking(NetworkingKind::Other) | Document::Other)
+            | None => continue,
+        };
+        objects.push(object);
     }
     Some(objects)
+}
+
+/// The kinds `kind_of` reads, as serde tags: a document's group and
+/// version, then its kind. A document without either is an error here, and
+/// `parse_reporting` says which.
+#[derive(Deserialize)]
+#[serde(tag = "apiVersion")]
+enum Document {
+    #[serde(rename = "v1")]
+    Core(CoreKind),
+    #[serde(rename = "discovery.k8s.io/v1")]
+    Discovery(DiscoveryKind),
+    #[serde(rename = "networking.k8s.io/v1")]
+    Networking(NetworkingKind),
+    #[serde(other)]
+    Other,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "kind")]
+enum CoreKind {
+    Service(Service),
+    Node(Box<Node>),
+    #[serde(other)]
+    Other,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "kind")]
+enum DiscoveryKind {
+    EndpointSlice(EndpointSlice),
+    #[serde(other)]
+    Other,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "kind")]
+enum NetworkingKind {
+    ServiceCIDR(ServiceCIDR),
+    #[serde(other)]
+    Other,
 }
 
 fn kind_of(api_version: Option<&str>, kind: Option<&str>) -> Result<Kind, String> {
@@ -205,11 +245,38 @@ ports: [{name: http, port: 8080, protocol: TCP}]
         assert_eq!(e.line, 7, "{e}");
     }
 
+    /// Kinds of the same name in other groups or versions, which are not ours.
+    const LOOKALIKES: &str = r#"
+apiVersion: serving.knative.dev/v1
+kind: Service
+metadata: {name: knative}
+spec: {template: {spec: {containers: [{image: x}]}}}
+---
+apiVersion: discovery.k8s.io/v1beta1
+kind: EndpointSlice
+metadata: {name: old}
+addressType: IPv4
+endpoints: [{addresses: [10.244.0.12]}]
+---
+apiVersion: v1
+kind: Node
+metadata: {name: node-a}
+---
+apiVersion: networking.k8s.io/v1
+kind: ServiceCIDR
+metadata: {name: kubernetes}
+spec: {cidrs: [10.96.0.0/16]}
+"#;
+
     #[test]
     fn both_paths_read_the_same_objects() {
-        let fast = parse_fast(GOOD).unwrap();
-        let reporting = parse_reporting(Path::new("good.yaml"), GOOD).unwrap();
-        assert_eq!(format!("{fast:?}"), format!("{reporting:?}"));
+        for text in [GOOD, LOOKALIKES] {
+            let fast = parse_fast(text).unwrap();
+            let reporting = parse_reporting(Path::new("good.yaml"), text).unwrap();
+            assert_eq!(format!("{fast:?}"), format!("{reporting:?}"));
+        }
+        let kinds: Vec<_> = parse_fast(LOOKALIKES).unwrap().iter().map(|o| format!("{o:?}")[..8].to_string()).collect();
+        assert_eq!(kinds, ["Node(Nod", "ServiceC"]);
         // A type error is no object on the fast path; the caller then reports it.
         assert!(parse_fast("apiVersion: v1\nkind: Service\nspec: {ports: [{port: x}]}\n").is_none());
     }
