@@ -49,6 +49,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
             Configured::Kube(KubeSource::new(client, node_name.clone()))
         }
     };
+    // Reading the manifests (or listing the API) and the node's addresses
+    // start now, beside the verifier's work below: the first sync finds
+    // them ready instead of waiting for them after attach.
+    let (tx, mut rx) = watch::channel(None);
+    let mut source_task = tokio::spawn(source.run(tx));
+    let (addrs_tx, mut addrs_rx) = watch::channel(NodeAddrs::default());
+    let mut addrs_task = tokio::spawn(node_addrs::watch(addrs_tx));
 
     let features = kernel::probe()?;
     let snat_ports = snat_ports::for_this_node()?;
@@ -57,7 +64,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         services: ServiceMapSize::from_flag(args.service_map_entries)?,
     };
     let options = maps::LoadOptions { root: args.bpffs_root.clone(), ports: snat_ports.clone(), sizes, features };
-    let (mut ebpf, mut maps) = maps::load_with(&options)?;
+    let (ebpf, mut maps) = maps::load_with(&options)?;
     let held = maps.read_contents().context("read pinned maps")?;
     info!(
         bpffs_root = %args.bpffs_root.display(),
@@ -70,47 +77,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
     );
     let mut reconciler = Reconciler::adopt(held).within(maps.service_capacity);
 
-    // Every program through the verifier before any is attached: a kernel
-    // that refuses one leaves the node as it was, never half-attached.
-    for (program, _, _) in attach::HOOKS {
-        maps::load_tc(&mut ebpf, program)?;
-    }
-    let cgroup_root = cgroup::resolve_root_or_warn(args.cgroup_root.as_deref())?;
-    if cgroup_root.is_some() {
-        cgroup::load(&mut ebpf)?;
-    }
-    let mode = attach::choose_mode(&mut ebpf, args.tc_attach)?;
-    info!(
-        tc_attach = mode.name(),
-        coarse_clock = features.coarse_clock,
-        sock_set_retval = features.sock_set_retval,
-        "kernel probed, programs loaded"
-    );
-    if let Some(root) = &cgroup_root {
-        cgroup::attach(&mut ebpf, &args.bpffs_root, root)?;
-    }
-    crate::sysctl::accept_local_on_loopback_or_warn(&args.sysctl_root);
-    let attacher = Attacher::new(ebpf, options, mode, args.devices.clone())?;
-    let (ready_tx, ready_rx) = oneshot::channel();
-    let mut attach_task = tokio::spawn(attacher.run(ready_tx));
-    if ready_rx.await.is_err() {
-        return Err(attach_task.await?.expect_err("attacher stopped before it was ready"));
-    }
-
     let health = Health::default();
-    health.set_tc_attach(mode.name());
-    health::serve(args.healthz_bind_address, health.clone()).await?;
     let mut health_checks = HealthCheckServers::new(health.clone());
     let metrics = Metrics::new(&args.bpffs_root);
-    metrics::serve(args.metrics_bind_address, metrics.clone()).await?;
-
-    let (addrs_tx, mut addrs_rx) = watch::channel(NodeAddrs::default());
-    let mut addrs_task = tokio::spawn(node_addrs::watch(addrs_tx));
-    let (tx, mut rx) = watch::channel(None);
-    let mut source_task = tokio::spawn(source.run(tx));
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sigint = signal(SignalKind::interrupt())?;
-
     let config = ModelConfig {
         node_name,
         node_port_addresses: args.node_port_addresses.clone(),
@@ -130,6 +99,66 @@ pub async fn run(args: RunArgs) -> Result<()> {
         metrics,
         started: chrono::Utc::now(),
     };
+
+    // Every program through the verifier before any is attached: a kernel
+    // that refuses one leaves the node's attachments as they were, never
+    // half-attached. The verifier is most of the start, so the first sync
+    // fills the maps meanwhile, if the first snapshot and the node's
+    // addresses come in time (new programs then start on full maps).
+    let cgroup_root = cgroup::resolve_root_or_warn(args.cgroup_root.as_deref())?;
+    let hooks = cgroup_root.is_some();
+    let mut verifying = tokio::task::spawn_blocking(move || -> Result<aya::Ebpf> {
+        let mut ebpf = ebpf;
+        for (program, _, _) in attach::HOOKS {
+            maps::load_tc(&mut ebpf, program)?;
+        }
+        if hooks {
+            cgroup::load(&mut ebpf)?;
+        }
+        Ok(ebpf)
+    });
+    let mut first = None;
+    let mut ebpf = tokio::select! {
+        verified = &mut verifying => verified??,
+        inputs = first_inputs(&mut rx, &mut addrs_rx) => {
+            if let Some((snap, addrs)) = inputs {
+                syncer.set_node_addresses(&addrs, &args.cluster_cidr, &mut maps);
+                syncer.health.set_node_eligible(model::node::eligible(snap.node.as_ref()));
+                syncer.health.queued_update();
+                let outcome = syncer.sync(&snap, &mut reconciler, &mut maps);
+                if outcome != Outcome::Failed {
+                    health_checks.sync(&syncer.model.desired().health_checks, healthcheck::listen_addresses(&syncer.config)).await;
+                }
+                first = Some((snap, outcome));
+            }
+            verifying.await??
+        }
+    };
+    let mode = attach::choose_mode(&mut ebpf, args.tc_attach)?;
+    info!(
+        tc_attach = mode.name(),
+        coarse_clock = features.coarse_clock,
+        sock_set_retval = features.sock_set_retval,
+        "kernel probed, programs loaded"
+    );
+    if let Some(root) = &cgroup_root {
+        cgroup::attach(&mut ebpf, &args.bpffs_root, root)?;
+    }
+    crate::sysctl::accept_local_on_loopback_or_warn(&args.sysctl_root);
+    let attacher = Attacher::new(ebpf, options, mode, args.devices.clone())?;
+    let (ready_tx, ready_rx) = oneshot::channel();
+    let mut attach_task = tokio::spawn(attacher.run(ready_tx));
+    if ready_rx.await.is_err() {
+        return Err(attach_task.await?.expect_err("attacher stopped before it was ready"));
+    }
+
+    syncer.health.set_tc_attach(mode.name());
+    health::serve(args.healthz_bind_address, syncer.health.clone()).await?;
+    metrics::serve(args.metrics_bind_address, syncer.metrics.clone()).await?;
+
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+
     // The latest snapshot, and whether it (or the node) changed since the last good sync.
     let mut latest: Option<Arc<Snapshot>> = None;
     let mut pending = false;
@@ -137,6 +166,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // would take an adopted dataplane's NodePorts away for a moment.
     let mut addrs_listed = false;
     let mut retry_at: Option<Instant> = None;
+    if let Some((snap, outcome)) = first {
+        latest = Some(snap);
+        addrs_listed = true;
+        pending = outcome != Outcome::Done;
+        retry_at = retry_after(outcome);
+    }
     loop {
         tokio::select! {
             changed = rx.changed() => {
@@ -157,13 +192,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     return Err((&mut addrs_task).await?.expect_err("address watcher stopped")).context("node addresses");
                 }
                 let addrs = addrs_rx.borrow_and_update().clone();
-                info!(addresses = ?addrs.all(), "node addresses");
-                syncer.config.node_addresses = addrs.all();
+                syncer.set_node_addresses(&addrs, &args.cluster_cidr, &mut maps);
                 addrs_listed = true;
                 syncer.health.queued_update();
-                if let Err(e) = maps.write_node_config(&addrs.snat_sources(), &args.cluster_cidr) {
-                    error!("writing node settings to the maps failed: {e:#}");
-                }
                 pending = true;
                 retry_at = None;
             }
@@ -179,12 +210,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         if let (true, true, Some(snap)) = (pending, addrs_listed, &latest) {
             let outcome = syncer.sync(snap, &mut reconciler, &mut maps);
             pending = outcome != Outcome::Done;
-            match outcome {
-                Outcome::Failed => retry_at = Some(Instant::now() + RETRY),
-                // Room the sync freed is counted from the next one: now.
-                Outcome::Again => retry_at = Some(Instant::now()),
-                Outcome::Done => {}
-            }
+            retry_at = retry_after(outcome);
             if outcome != Outcome::Failed {
                 health_checks.sync(&syncer.model.desired().health_checks, healthcheck::listen_addresses(&syncer.config)).await;
             }
@@ -192,6 +218,28 @@ pub async fn run(args: RunArgs) -> Result<()> {
     }
     info!("stopping: programs and pinned maps stay in place, traffic keeps flowing (`ebpf-proxy cleanup` removes them)");
     Ok(())
+}
+
+/// The first snapshot and the node's first list of addresses, once both
+/// are in (`None`: a source stopped; the main loop reports why).
+async fn first_inputs(
+    rx: &mut watch::Receiver<Option<Arc<Snapshot>>>,
+    addrs_rx: &mut watch::Receiver<NodeAddrs>,
+) -> Option<(Arc<Snapshot>, NodeAddrs)> {
+    let snap = rx.wait_for(Option::is_some).await.ok()?.clone()?;
+    addrs_rx.changed().await.ok()?;
+    let addrs = addrs_rx.borrow_and_update().clone();
+    Some((snap, addrs))
+}
+
+/// When to sync again after a sync that went this way.
+fn retry_after(outcome: Outcome) -> Option<Instant> {
+    match outcome {
+        Outcome::Failed => Some(Instant::now() + RETRY),
+        // Room the sync freed is counted from the next one: now.
+        Outcome::Again => Some(Instant::now()),
+        Outcome::Done => None,
+    }
 }
 
 /// How a sync went.
@@ -222,6 +270,15 @@ struct Syncer {
 }
 
 impl Syncer {
+    /// The node's addresses, for the model and the masquerade sources.
+    fn set_node_addresses(&mut self, addrs: &NodeAddrs, cluster_cidrs: &[IpNet], maps: &mut Maps) {
+        info!(addresses = ?addrs.all(), "node addresses");
+        self.config.node_addresses = addrs.all();
+        if let Err(e) = maps.write_node_config(&addrs.snat_sources(), cluster_cidrs) {
+            error!("writing node settings to the maps failed: {e:#}");
+        }
+    }
+
     /// One pass.
     fn sync(&mut self, snap: &Snapshot, reconciler: &mut Reconciler, maps: &mut Maps) -> Outcome {
         let start = std::time::Instant::now();

@@ -54,10 +54,12 @@ pub struct SyncRow {
 pub struct Phases {
     /// Process start to "dataplane loaded".
     pub load: Duration,
-    /// "dataplane loaded" to "manifests read".
+    /// Process start to "manifests read" (the source starts first, beside the load).
     pub read: Duration,
     /// "manifests read" to the first "sync done".
     pub sync: Duration,
+    /// "dataplane loaded" to "programs loaded": the verifier, beside the read and the sync.
+    pub verify: Duration,
 }
 
 /// Where a change comes from.
@@ -347,8 +349,9 @@ fn phases(log: &str, started: std::time::SystemTime) -> Option<Phases> {
     let at = |needle: &str| log.lines().find(|l| l.contains(needle)).and_then(log_time);
     let start = started.duration_since(std::time::UNIX_EPOCH).ok()?.as_secs_f64();
     let (loaded, read, synced) = (at("dataplane loaded")?, at("manifests read")?, at("sync done")?);
+    let verified = at("programs loaded")?;
     let d = |a: f64, b: f64| Duration::from_secs_f64((b - a).max(0.0));
-    Some(Phases { load: d(start, loaded), read: d(loaded, read), sync: d(read, synced) })
+    Some(Phases { load: d(start, loaded), read: d(start, read), sync: d(read, synced), verify: d(loaded, verified) })
 }
 
 /// The agent process: the one whose command line holds its bpffs root.

@@ -255,11 +255,12 @@ fn targets(md: &mut String, m: &Measured) {
                 .phases
                 .map(|p| {
                     format!(
-                        "In this run: start to BPF object loaded {:.2} s, manifests read and parsed {:.2} s, \
-                         first sync {:.2} s. ",
+                        "In this run: start to BPF object loaded {:.2} s, to manifests read and parsed {:.2} s, \
+                         first sync {:.2} s; beside them the verifier {:.2} s. ",
                         p.load.as_secs_f64(),
                         p.read.as_secs_f64(),
-                        p.sync.as_secs_f64()
+                        p.sync.as_secs_f64(),
+                        p.verify.as_secs_f64()
                     )
                 })
                 .unwrap_or_default();
@@ -271,9 +272,11 @@ fn targets(md: &mut String, m: &Measured) {
                 ),
                 met: Some(s.to_healthy < Duration::from_secs(1)),
                 why: format!(
-                    "{phases}The manifests are read and parsed on every CPU, one YAML pass per file \
+                    "{phases}The agent starts its source before it loads the BPF object, and runs the first \
+                     sync while the verifier checks the programs, which are attached after it (on full maps). \
+                     The manifests are read and parsed on every CPU, one YAML pass per file \
                      (serde_path_to_error runs only on a file that fails, to name the field and line); each \
-                     document is parsed into a YAML value to find its kind, then into its type. The first \
+                     document goes straight to its type, by its apiVersion and kind (serde's tagged enums). The first \
                      sync builds every Service's part of the model and writes ~240 000 map entries (backends, \
                      slots, frontends, ClusterIP markers, names) with one bpf() syscall each: aya 0.16 has no \
                      BPF_MAP_UPDATE_BATCH. Closing it: batched writes once aya offers them, or one slot array per \
@@ -609,30 +612,33 @@ fn control_section(md: &mut String, r: &control::Results, figures: &Path) -> Res
          *To healthy*: from starting the process to /healthz 200, which the agent answers once the first \
          full sync is in the maps; *agent sync*: the model build and map writes of that sync, from the \
          agent's own `sync done ... elapsed_us` log line. The phases come from the timestamps of the \
-         agent's log lines: process start to `dataplane loaded` (BPF object loaded, maps created), to \
-         `manifests read` (files read and parsed), to the first `sync done`. RSS from /proc/PID/status after the sync (VmRSS; \
+         agent's log lines: process start to `dataplane loaded` (BPF object loaded, maps created); process \
+         start to `manifests read` (files read and parsed, beside the load); from there to the first `sync \
+         done`; and beside the read and the sync, the verifier: `dataplane loaded` to `programs loaded` \
+         (the programs are attached after both). RSS from /proc/PID/status after the sync (VmRSS; \
          VmHWM is the peak). Map memory: the kernel's `memlock` of each map the agent holds \
          (/proc/PID/fdinfo), counted once per map; the service maps are not preallocated, so it grows with \
          the entries (conntrack is an LRU map, preallocated).\n"
     );
     let _ = writeln!(
         md,
-        "| services | endpoints | to healthy (s) | start: BPF load (s) | manifests read (s) | first sync (s) | agent sync (ms) | RSS (MiB) | peak RSS (MiB) | BPF maps (MiB) |"
+        "| services | endpoints | to healthy (s) | start: BPF load (s) | start: manifests read (s) | first sync (s) | verifier (s) | agent sync (ms) | RSS (MiB) | peak RSS (MiB) | BPF maps (MiB) |"
     );
-    let _ = writeln!(md, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(md, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for s in &r.syncs {
         let phase = |f: fn(&control::Phases) -> Duration| {
             s.phases.as_ref().map(|p| format!("{:.2}", f(p).as_secs_f64())).unwrap_or("-".into())
         };
         let _ = writeln!(
             md,
-            "| {} | {} | {:.2} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} |",
+            "| {} | {} | {:.2} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} |",
             s.services,
             s.endpoints,
             s.to_healthy.as_secs_f64(),
             phase(|p| p.load),
             phase(|p| p.read),
             phase(|p| p.sync),
+            phase(|p| p.verify),
             s.agent_sync.map(|d| format!("{:.0}", ms(d))).unwrap_or("-".into()),
             s.rss_mib,
             s.hwm_mib,
