@@ -125,10 +125,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 syncer.set_node_addresses(&addrs, &args.cluster_cidr, &mut maps);
                 syncer.health.set_node_eligible(model::node::eligible(snap.node.as_ref()));
                 syncer.health.queued_update();
-                let outcome = syncer.sync(&snap, &mut reconciler, &mut maps);
-                if outcome != Outcome::Failed {
-                    health_checks.sync(&syncer.model.desired().health_checks, healthcheck::listen_addresses(&syncer.config)).await;
-                }
+                let outcome = syncer.sync_and_serve(&snap, &mut reconciler, &mut maps, &mut health_checks).await;
                 first = Some((snap, outcome));
             }
             verifying.await??
@@ -166,11 +163,19 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // would take an adopted dataplane's NodePorts away for a moment.
     let mut addrs_listed = false;
     let mut retry_at: Option<Instant> = None;
+    let unsynced = if first.is_none() { rx.borrow_and_update().clone() } else { None };
     if let Some((snap, outcome)) = first {
         latest = Some(snap);
         addrs_listed = true;
         pending = outcome != Outcome::Done;
         retry_at = retry_after(outcome);
+    } else if let Some(snap) = unsynced {
+        // The first snapshot came, but not yet the addresses, when the
+        // verifier finished: waiting for them marked it seen.
+        syncer.health.set_node_eligible(model::node::eligible(snap.node.as_ref()));
+        syncer.health.queued_update();
+        latest = Some(snap);
+        pending = true;
     }
     loop {
         tokio::select! {
@@ -208,12 +213,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = sigint.recv() => break,
         }
         if let (true, true, Some(snap)) = (pending, addrs_listed, &latest) {
-            let outcome = syncer.sync(snap, &mut reconciler, &mut maps);
+            let outcome = syncer.sync_and_serve(snap, &mut reconciler, &mut maps, &mut health_checks).await;
             pending = outcome != Outcome::Done;
             retry_at = retry_after(outcome);
-            if outcome != Outcome::Failed {
-                health_checks.sync(&syncer.model.desired().health_checks, healthcheck::listen_addresses(&syncer.config)).await;
-            }
         }
     }
     info!("stopping: programs and pinned maps stay in place, traffic keeps flowing (`ebpf-proxy cleanup` removes them)");
@@ -277,6 +279,21 @@ impl Syncer {
         if let Err(e) = maps.write_node_config(&addrs.snat_sources(), cluster_cidrs) {
             error!("writing node settings to the maps failed: {e:#}");
         }
+    }
+
+    /// One pass, then the healthCheckNodePorts it wants served.
+    async fn sync_and_serve(
+        &mut self,
+        snap: &Snapshot,
+        reconciler: &mut Reconciler,
+        maps: &mut Maps,
+        health_checks: &mut HealthCheckServers,
+    ) -> Outcome {
+        let outcome = self.sync(snap, reconciler, maps);
+        if outcome != Outcome::Failed {
+            health_checks.sync(&self.model.desired().health_checks, healthcheck::listen_addresses(&self.config)).await;
+        }
+        outcome
     }
 
     /// One pass.
