@@ -64,3 +64,16 @@ pub struct UnitReport {
     pub backend: Backend,
     pub backend_id: u32,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    #[test]
+    fn layouts_have_no_hidden_padding() {
+        // Both sides copy them byte for byte (aya's Pod): every byte is a field.
+        assert_eq!(size_of::<UnitSetup>(), 16 + 20 + 4 + 4);
+        assert_eq!(size_of::<UnitReport>(), 8 + 8 + 72 + 16 + 20 + 4);
+    }
+}

@@ -23,8 +23,16 @@ pub static UNIT_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DI
 const UNIT_SETUP: &str = "UNIT_SETUP";
 const UNIT_REPORT: &str = "UNIT_REPORT";
 /// The preallocated (LRU) maps, kept small: a test holds a few entries.
-const SMALL_MAPS: &[&str] =
-    &[MAP_CONNTRACK, MAP_CT_UNCONFIRMED, MAP_SNAT, MAP_SNAT_UNCONFIRMED, MAP_AFFINITY, MAP_SOCK_REVNAT, "FRAGMENTS", "REJECT_BUDGETS"];
+const SMALL_MAPS: &[&str] = &[
+    MAP_CONNTRACK,
+    MAP_CT_UNCONFIRMED,
+    MAP_SNAT,
+    MAP_SNAT_UNCONFIRMED,
+    MAP_AFFINITY,
+    MAP_SOCK_REVNAT,
+    "FRAGMENTS",
+    "REJECT_BUDGETS",
+];
 
 /// What one run gave: the program's verdict, the frame as it left it, and
 /// its report.
@@ -51,7 +59,7 @@ impl Unit {
         for name in SMALL_MAPS {
             loader.map_max_entries(name, 1024);
         }
-        let mut ebpf = loader
+        let ebpf = loader
             .default_map_pin_directory(bpffs.path())
             .override_global(GLOBAL_HAS_COARSE_CLOCK, &coarse_clock, true)
             .load(UNIT_OBJECT)

@@ -21,16 +21,24 @@ use std::{
 };
 
 use aya::maps::lpm_trie::Key;
-use etherparse::{Icmpv4Type, Icmpv6Type, NetSlice, PacketHeaders, SlicedPacket, TransportHeader, TransportSlice, icmpv4, icmpv6};
+use etherparse::{
+    Icmpv4Type, Icmpv6Type, NetSlice, PacketHeaders, SlicedPacket, TransportHeader, TransportSlice, icmpv4, icmpv6,
+};
 use proxy_common::{
-    unit::{UNIT_MISS_DROP_UNALLOCATED, UNIT_MISS_NONE, UNIT_MISS_NOT_OURS, UNIT_MISS_REJECT, UNIT_SCOPE_OF_SOURCE, UnitSetup},
+    unit::{
+        UNIT_MISS_DROP_UNALLOCATED, UNIT_MISS_NONE, UNIT_MISS_NOT_OURS, UNIT_MISS_REJECT, UNIT_SCOPE_OF_SOURCE,
+        UnitReport, UnitSetup,
+    },
     *,
 };
 use proxy_tests::{
     addrs::{BACKEND, BACKEND6, CLIENT, CLIENT6, EXTERNAL, UNALLOCATED, VIP, VIP6, addr},
     bpf_unit::{Run, Unit},
     fixture::{TC_ACT_OK, TC_ACT_SHOT, diff},
-    frames::{self, ETH_HLEN, MAC_DST, MAC_SRC, insert_ipv4_options, sctp_frame, tcp_ack, tcp_data, tcp_fin, tcp_rst, tcp_syn, tcp_syn_ack, udp},
+    frames::{
+        self, ETH_HLEN, MAC_DST, MAC_SRC, insert_ipv4_options, sctp_frame, tcp_ack, tcp_data, tcp_fin, tcp_rst,
+        tcp_syn, tcp_syn_ack, udp,
+    },
     sctp::chunk,
 };
 
@@ -134,6 +142,15 @@ fn stamp_zero_is_older_than(idle: Duration) {
 
 // ---------------------------------------------------------------- conntrack
 
+type Endpoint = (IpAddr, u16);
+
+impl World {
+    /// The client's, the frontend's and the backend's address and port.
+    fn ends(&self) -> (Endpoint, Endpoint, Endpoint) {
+        ((self.client, CLIENT_PORT), (self.vip, FRONTEND_PORT), (self.backend, BACKEND_PORT))
+    }
+}
+
 /// The setup of a new flow from `w.client` to the frontend, to `w.backend`.
 fn flow_setup(w: &World, proto: u8) -> UnitSetup {
     UnitSetup {
@@ -144,6 +161,22 @@ fn flow_setup(w: &World, proto: u8) -> UnitSetup {
     }
 }
 
+/// `frame`'s flow as `conntrack::lookup_flow` finds it.
+fn lookup(unit: &mut Unit, frame: &[u8], what: &str) -> UnitReport {
+    run(unit, "unit_ct_lookup", frame, what).report
+}
+
+/// The entry under `k` in the conntrack table `map`.
+fn entry(unit: &mut Unit, map: &str, k: &CtKey) -> Option<CtEntry> {
+    unit.hash::<CtKey, CtEntry>(map).unwrap().get(k, 0).ok()
+}
+
+/// The entry under `k` made idle since boot (stamped at time 0).
+fn idle_since_boot(unit: &mut Unit, map: &str, k: &CtKey) {
+    let e = entry(unit, map, k).expect("the entry to age");
+    unit.hash::<CtKey, CtEntry>(map).unwrap().insert(k, &CtEntry { last_seen_ns: 0, ..e }, 0).unwrap();
+}
+
 /// A new flow's entries: the original (client -> frontend, to the backend)
 /// and the reply (backend -> client, from the frontend), both unconfirmed.
 /// TCP waits for its handshake; UDP and SCTP are confirmed by any reply.
@@ -152,9 +185,10 @@ fn flow_setup(w: &World, proto: u8) -> UnitSetup {
 fn conntrack_opening_creates_unconfirmed_entries() {
     let mut unit = load("unit-ct-open");
     for w in WORLDS {
+        let (client, vip, backend) = w.ends();
         for (proto, opening, confirm_on_reply) in [
-            (IPPROTO_TCP, tcp_syn((w.client, CLIENT_PORT), (w.vip, FRONTEND_PORT)), 0),
-            (IPPROTO_UDP, udp((w.client, CLIENT_PORT), (w.vip, FRONTEND_PORT), b"q"), CT_CONFIRM_ON_REPLY),
+            (IPPROTO_TCP, tcp_syn(client, vip), 0),
+            (IPPROTO_UDP, udp(client, vip, b"q"), CT_CONFIRM_ON_REPLY),
             (IPPROTO_SCTP, sctp_init(w.client, w.vip), CT_CONFIRM_ON_REPLY),
         ] {
             let what = format!("{} proto {proto} opening", w.name);
@@ -162,21 +196,23 @@ fn conntrack_opening_creates_unconfirmed_entries() {
             let created = run(&mut unit, "unit_ct_create", &opening, &what);
             assert_eq!(created.report.rc, 0, "{what}: conntrack::create failed");
 
-            let original = key((w.client, CLIENT_PORT), (w.vip, FRONTEND_PORT), proto);
-            let reply = key((w.backend, BACKEND_PORT), (w.client, CLIENT_PORT), proto);
-            let unconfirmed = unit.hash::<CtKey, CtEntry>(MAP_CT_UNCONFIRMED).unwrap();
-            let o = unconfirmed.get(&original, 0).unwrap_or_else(|_| panic!("{what}: no unconfirmed original entry"));
-            let r = unconfirmed.get(&reply, 0).unwrap_or_else(|_| panic!("{what}: no unconfirmed reply entry"));
+            let o = entry(&mut unit, MAP_CT_UNCONFIRMED, &key(client, vip, proto));
+            let o = o.unwrap_or_else(|| panic!("{what}: no unconfirmed original entry"));
+            let r = entry(&mut unit, MAP_CT_UNCONFIRMED, &key(backend, client, proto));
+            let r = r.unwrap_or_else(|| panic!("{what}: no unconfirmed reply entry"));
             assert_eq!(o.direction, CT_ORIGINAL, "{what}: original entry's direction");
-            assert_eq!((o.nat_addr, o.nat_port), (addr(w.backend), BACKEND_PORT.to_be()), "{what}: original goes to the backend");
+            let to_backend = (addr(w.backend), BACKEND_PORT.to_be());
+            assert_eq!((o.nat_addr, o.nat_port), to_backend, "{what}: original goes to the backend");
             assert_eq!(o.flags, CT_PENDING | confirm_on_reply, "{what}: original entry's flags");
-            assert_eq!((o.service_id, o.backend_id), (SERVICE_ID, BACKEND_ID), "{what}: original entry's service and backend");
+            let ids = (o.service_id, o.backend_id);
+            assert_eq!(ids, (SERVICE_ID, BACKEND_ID), "{what}: original entry's service and backend");
             assert_eq!(o.handshake_ack, 0, "{what}: no SYN-ACK seen yet");
             assert_eq!(r.direction, CT_REPLY, "{what}: reply entry's direction");
-            assert_eq!((r.nat_addr, r.nat_port), (addr(w.vip), FRONTEND_PORT.to_be()), "{what}: reply comes from the frontend");
+            let from_frontend = (addr(w.vip), FRONTEND_PORT.to_be());
+            assert_eq!((r.nat_addr, r.nat_port), from_frontend, "{what}: reply comes from the frontend");
             assert_eq!(r.flags, CT_PENDING | confirm_on_reply, "{what}: reply entry's flags");
-            let confirmed = unit.hash::<CtKey, CtEntry>(MAP_CONNTRACK).unwrap();
-            assert_eq!(confirmed.keys().count(), 0, "{what}: nothing is confirmed before a reply");
+            let confirmed = unit.hash::<CtKey, CtEntry>(MAP_CONNTRACK).unwrap().keys().count();
+            assert_eq!(confirmed, 0, "{what}: nothing is confirmed before a reply");
         }
     }
 }
@@ -188,28 +224,28 @@ fn conntrack_opening_creates_unconfirmed_entries() {
 fn conntrack_lookup_finds_each_direction() {
     let mut unit = load("unit-ct-lookup");
     for w in WORLDS {
-        let (client, vip, backend) = ((w.client, CLIENT_PORT), (w.vip, FRONTEND_PORT), (w.backend, BACKEND_PORT));
+        let (client, vip, backend) = w.ends();
         unit.setup(flow_setup(&w, IPPROTO_TCP)).unwrap();
         run(&mut unit, "unit_ct_create", &tcp_syn(client, vip), w.name);
 
         let what = format!("{}: the client's retransmitted SYN", w.name);
-        let found = run(&mut unit, "unit_ct_lookup", &tcp_syn(client, vip), &what).report;
+        let found = lookup(&mut unit, &tcp_syn(client, vip), &what);
         assert_eq!(found.found, 1, "{what}: finds its flow");
         assert_eq!(found.entry.direction, CT_ORIGINAL, "{what}: original direction");
-        assert_eq!((found.entry.nat_addr, found.entry.nat_port), (addr(w.backend), BACKEND_PORT.to_be()), "{what}: to the backend");
+        let to = (found.entry.nat_addr, found.entry.nat_port);
+        assert_eq!(to, (addr(w.backend), BACKEND_PORT.to_be()), "{what}: to the backend");
 
         let what = format!("{}: the backend's SYN-ACK (the reverse tuple)", w.name);
-        let found = run(&mut unit, "unit_ct_lookup", &tcp_syn_ack(backend, client), &what).report;
+        let found = lookup(&mut unit, &tcp_syn_ack(backend, client), &what);
         assert_eq!(found.found, 1, "{what}: finds the flow");
         assert_eq!(found.entry.direction, CT_REPLY, "{what}: reply direction");
-        assert_eq!((found.entry.nat_addr, found.entry.nat_port), (addr(w.vip), FRONTEND_PORT.to_be()), "{what}: from the frontend");
+        let from = (found.entry.nat_addr, found.entry.nat_port);
+        assert_eq!(from, (addr(w.vip), FRONTEND_PORT.to_be()), "{what}: from the frontend");
 
         let what = format!("{}: another client port", w.name);
-        let found = run(&mut unit, "unit_ct_lookup", &tcp_syn((w.client, CLIENT_PORT + 1), vip), &what).report;
-        assert_eq!(found.found, 0, "{what}: finds nothing");
+        assert_eq!(lookup(&mut unit, &tcp_syn((w.client, CLIENT_PORT + 1), vip), &what).found, 0, "{what}: no flow");
         let what = format!("{}: the frontend answering (not the backend)", w.name);
-        let found = run(&mut unit, "unit_ct_lookup", &tcp_syn_ack(vip, client), &what).report;
-        assert_eq!(found.found, 0, "{what}: finds nothing");
+        assert_eq!(lookup(&mut unit, &tcp_syn_ack(vip, client), &what).found, 0, "{what}: no flow");
     }
 }
 
@@ -221,7 +257,7 @@ fn conntrack_lookup_finds_each_direction() {
 fn conntrack_without_flow_only_an_opening_is_in_state() {
     let mut unit = load("unit-ct-state");
     for w in WORLDS {
-        let (client, vip) = ((w.client, CLIENT_PORT), (w.vip, FRONTEND_PORT));
+        let (client, vip, _) = w.ends();
         for (what, frame, may_open) in [
             ("TCP SYN", tcp_syn(client, vip), true),
             ("UDP datagram", udp(client, vip, b"q"), true),
@@ -234,7 +270,7 @@ fn conntrack_without_flow_only_an_opening_is_in_state() {
             ("SCTP DATA", sctp_frame(client, vip, 0x1234, &[chunk::data(1, b"x")]), false),
         ] {
             let what = format!("{} {what} with no flow", w.name);
-            let seen = run(&mut unit, "unit_ct_lookup", &frame, &what).report;
+            let seen = lookup(&mut unit, &frame, &what);
             assert_eq!(seen.found, 0, "{what}: no entry");
             assert_eq!(seen.may_open_flow == 1, may_open, "{what}: may open a flow (else out of state)");
         }
@@ -250,9 +286,8 @@ fn conntrack_without_flow_only_an_opening_is_in_state() {
 fn conntrack_tcp_handshake_confirms_the_flow() {
     let mut unit = load("unit-ct-handshake");
     for w in WORLDS {
-        let (client, vip, backend) = ((w.client, CLIENT_PORT), (w.vip, FRONTEND_PORT), (w.backend, BACKEND_PORT));
-        let original = key(client, vip, IPPROTO_TCP);
-        let reply = key(backend, client, IPPROTO_TCP);
+        let (client, vip, backend) = w.ends();
+        let (original, reply) = (key(client, vip, IPPROTO_TCP), key(backend, client, IPPROTO_TCP));
         unit.setup(flow_setup(&w, IPPROTO_TCP)).unwrap();
         run(&mut unit, "unit_ct_create", &tcp_syn(client, vip), w.name);
 
@@ -262,8 +297,9 @@ fn conntrack_tcp_handshake_confirms_the_flow() {
 
         // frames::tcp_syn_ack's sequence number is 5000000.
         let what = format!("{}: the backend's SYN-ACK", w.name);
-        assert_eq!(run(&mut unit, "unit_ct_syn_ack", &tcp_syn_ack(backend, client), &what).report.found, 1, "{what}: finds its flow");
-        let o = unit.hash::<CtKey, CtEntry>(MAP_CT_UNCONFIRMED).unwrap().get(&original, 0).unwrap();
+        let seen = run(&mut unit, "unit_ct_syn_ack", &tcp_syn_ack(backend, client), &what).report;
+        assert_eq!(seen.found, 1, "{what}: finds its flow");
+        let o = entry(&mut unit, MAP_CT_UNCONFIRMED, &original).unwrap();
         assert_eq!(u32::from_be(o.handshake_ack), 5_000_001, "{what}: the ACK expected is its sequence number + 1");
         assert_eq!(o.flags & CT_PENDING, CT_PENDING, "{what}: a SYN-ACK does not confirm");
 
@@ -280,17 +316,18 @@ fn conntrack_tcp_handshake_confirms_the_flow() {
 
         let what = format!("{}: confirming on the handshake's ACK", w.name);
         run(&mut unit, "unit_ct_confirm", &tcp_ack(client, vip, 5_000_001), &what);
-        let unconfirmed = unit.hash::<CtKey, CtEntry>(MAP_CT_UNCONFIRMED).unwrap();
-        assert!(unconfirmed.get(&original, 0).is_err(), "{what}: the original entry left the unconfirmed table");
-        assert!(unconfirmed.get(&reply, 0).is_err(), "{what}: the reply entry left the unconfirmed table");
-        let confirmed = unit.hash::<CtKey, CtEntry>(MAP_CONNTRACK).unwrap();
-        let o = confirmed.get(&original, 0).unwrap_or_else(|_| panic!("{what}: original entry not confirmed"));
-        let r = confirmed.get(&reply, 0).unwrap_or_else(|_| panic!("{what}: reply entry not confirmed"));
+        for (name, k) in [("original", &original), ("reply", &reply)] {
+            let left = entry(&mut unit, MAP_CT_UNCONFIRMED, k).is_none();
+            assert!(left, "{what}: the {name} entry left the unconfirmed table");
+        }
+        let o = entry(&mut unit, MAP_CONNTRACK, &original).unwrap_or_else(|| panic!("{what}: original not confirmed"));
+        let r = entry(&mut unit, MAP_CONNTRACK, &reply).unwrap_or_else(|| panic!("{what}: reply not confirmed"));
         assert_eq!((o.flags & CT_PENDING, r.flags & CT_PENDING), (0, 0), "{what}: neither entry is pending");
         assert_eq!((o.direction, r.direction), (CT_ORIGINAL, CT_REPLY), "{what}: directions kept");
         assert_eq!(o.nat_addr, addr(w.backend), "{what}: translation kept");
-        let found = run(&mut unit, "unit_ct_lookup", &tcp_data(client, vip, b"GET /"), &what).report;
-        assert_eq!((found.found, found.entry.flags & CT_PENDING), (1, 0), "{what}: the client's data finds the confirmed flow");
+        let found = lookup(&mut unit, &tcp_data(client, vip, b"GET /"), &what);
+        let confirmed = (found.found, found.entry.flags & CT_PENDING);
+        assert_eq!(confirmed, (1, 0), "{what}: the client's data finds the confirmed flow");
     }
 }
 
@@ -300,18 +337,18 @@ fn conntrack_tcp_handshake_confirms_the_flow() {
 fn conntrack_udp_reply_confirms_the_flow() {
     let mut unit = load("unit-ct-udp");
     for w in WORLDS {
-        let (client, vip, backend) = ((w.client, CLIENT_PORT), (w.vip, FRONTEND_PORT), (w.backend, BACKEND_PORT));
+        let (client, vip, backend) = w.ends();
         unit.setup(flow_setup(&w, IPPROTO_UDP)).unwrap();
         run(&mut unit, "unit_ct_create", &udp(client, vip, b"q"), w.name);
         let what = format!("{}: the backend's reply", w.name);
-        assert_eq!(run(&mut unit, "unit_ct_confirm", &udp(backend, client, b"a"), &what).report.found, 1, "{what}: finds its flow");
-        let confirmed = unit.hash::<CtKey, CtEntry>(MAP_CONNTRACK).unwrap();
-        for (entry, k) in [("original", key(client, vip, IPPROTO_UDP)), ("reply", key(backend, client, IPPROTO_UDP))] {
-            let e = confirmed.get(&k, 0).unwrap_or_else(|_| panic!("{what}: {entry} entry not confirmed"));
-            assert_eq!(e.flags & CT_PENDING, 0, "{what}: {entry} entry no longer pending");
+        let seen = run(&mut unit, "unit_ct_confirm", &udp(backend, client, b"a"), &what).report;
+        assert_eq!(seen.found, 1, "{what}: finds its flow");
+        for (name, k) in [("original", key(client, vip, IPPROTO_UDP)), ("reply", key(backend, client, IPPROTO_UDP))] {
+            let e = entry(&mut unit, MAP_CONNTRACK, &k).unwrap_or_else(|| panic!("{what}: {name} entry not confirmed"));
+            assert_eq!(e.flags & CT_PENDING, 0, "{what}: {name} entry no longer pending");
         }
-        let unconfirmed = unit.hash::<CtKey, CtEntry>(MAP_CT_UNCONFIRMED).unwrap();
-        assert_eq!(unconfirmed.keys().count(), 0, "{what}: nothing left unconfirmed");
+        let unconfirmed = unit.hash::<CtKey, CtEntry>(MAP_CT_UNCONFIRMED).unwrap().keys().count();
+        assert_eq!(unconfirmed, 0, "{what}: nothing left unconfirmed");
     }
 }
 
@@ -322,27 +359,22 @@ fn conntrack_udp_reply_confirms_the_flow() {
 fn conntrack_unanswered_flow_lapses() {
     stamp_zero_is_older_than(Duration::from_nanos(CT_UNCONFIRMED_TIMEOUT_NS));
     let mut unit = load("unit-ct-lapse");
-    let w = V4;
-    let (client, vip, backend) = ((w.client, CLIENT_PORT), (w.vip, FRONTEND_PORT), (w.backend, BACKEND_PORT));
-    unit.setup(flow_setup(&w, IPPROTO_UDP)).unwrap();
+    let (client, vip, backend) = V4.ends();
+    let (original, reply) = (key(client, vip, IPPROTO_UDP), key(backend, client, IPPROTO_UDP));
+    unit.setup(flow_setup(&V4, IPPROTO_UDP)).unwrap();
     run(&mut unit, "unit_ct_create", &udp(client, vip, b"q"), "opening");
-    let idle = |unit: &mut Unit, map: &str, k: CtKey| {
-        let mut m = unit.hash::<CtKey, CtEntry>(map).unwrap();
-        let e = m.get(&k, 0).unwrap();
-        m.insert(&k, &CtEntry { last_seen_ns: 0, ..e }, 0).unwrap();
-    };
-    idle(&mut unit, MAP_CT_UNCONFIRMED, key(client, vip, IPPROTO_UDP));
-    idle(&mut unit, MAP_CT_UNCONFIRMED, key(backend, client, IPPROTO_UDP));
+    idle_since_boot(&mut unit, MAP_CT_UNCONFIRMED, &original);
+    idle_since_boot(&mut unit, MAP_CT_UNCONFIRMED, &reply);
     let what = "an unanswered flow idle past CT_UNCONFIRMED_TIMEOUT_NS";
-    assert_eq!(run(&mut unit, "unit_ct_lookup", &udp(client, vip, b"q"), what).report.found, 0, "{what}: the client's datagram finds no flow");
-    assert_eq!(run(&mut unit, "unit_ct_lookup", &udp(backend, client, b"a"), what).report.found, 0, "{what}: a late reply finds no flow");
+    assert_eq!(lookup(&mut unit, &udp(client, vip, b"q"), what).found, 0, "{what}: the client's datagram: no flow");
+    assert_eq!(lookup(&mut unit, &udp(backend, client, b"a"), what).found, 0, "{what}: a late reply: no flow");
 
     // The same flow opened again and answered: confirmed, then idle as long.
     run(&mut unit, "unit_ct_create", &udp(client, vip, b"q"), "opening again");
     run(&mut unit, "unit_ct_confirm", &udp(backend, client, b"a"), "its reply");
-    idle(&mut unit, MAP_CONNTRACK, key(client, vip, IPPROTO_UDP));
+    idle_since_boot(&mut unit, MAP_CONNTRACK, &original);
     let what = "a confirmed flow idle as long";
-    assert_eq!(run(&mut unit, "unit_ct_lookup", &udp(client, vip, b"q"), what).report.found, 1, "{what}: still found");
+    assert_eq!(lookup(&mut unit, &udp(client, vip, b"q"), what).found, 1, "{what}: still found");
 }
 
 /// A FIN or RST marks its direction closing: a SYN then opens a new flow
@@ -354,7 +386,7 @@ fn conntrack_closing_flow_makes_way() {
     stamp_zero_is_older_than(Duration::from_nanos(CT_CLOSING_TIMEOUT_NS));
     let mut unit = load("unit-ct-close");
     for w in WORLDS {
-        let (client, vip, backend) = ((w.client, CLIENT_PORT), (w.vip, FRONTEND_PORT), (w.backend, BACKEND_PORT));
+        let (client, vip, backend) = w.ends();
         let original = key(client, vip, IPPROTO_TCP);
         unit.setup(flow_setup(&w, IPPROTO_TCP)).unwrap();
         run(&mut unit, "unit_ct_create", &tcp_syn(client, vip), w.name);
@@ -362,23 +394,23 @@ fn conntrack_closing_flow_makes_way() {
         run(&mut unit, "unit_ct_confirm", &tcp_ack(client, vip, 5_000_001), w.name);
 
         let what = format!("{}: data on the open flow", w.name);
-        assert_eq!(run(&mut unit, "unit_ct_touch", &tcp_data(client, vip, b"x"), &what).report.found, 1, "{what}: touches its entry");
-        let o = unit.hash::<CtKey, CtEntry>(MAP_CONNTRACK).unwrap().get(&original, 0).unwrap();
-        assert_eq!(o.flags & CT_CLOSING, 0, "{what}: not closing");
-        assert_eq!(run(&mut unit, "unit_ct_lookup", &tcp_syn(client, vip), &what).report.found, 1, "{what}: a SYN is a retransmission");
+        let touched = run(&mut unit, "unit_ct_touch", &tcp_data(client, vip, b"x"), &what).report;
+        assert_eq!(touched.found, 1, "{what}: touches its entry");
+        assert_eq!(entry(&mut unit, MAP_CONNTRACK, &original).unwrap().flags & CT_CLOSING, 0, "{what}: not closing");
+        assert_eq!(lookup(&mut unit, &tcp_syn(client, vip), &what).found, 1, "{what}: a SYN is a retransmission");
 
         let what = format!("{}: the client's FIN", w.name);
         run(&mut unit, "unit_ct_touch", &tcp_fin(client, vip), &what);
-        let o = unit.hash::<CtKey, CtEntry>(MAP_CONNTRACK).unwrap().get(&original, 0).unwrap();
-        assert_eq!(o.flags & CT_CLOSING, CT_CLOSING, "{what}: marks the original entry closing");
+        let closing = entry(&mut unit, MAP_CONNTRACK, &original).unwrap().flags & CT_CLOSING;
+        assert_eq!(closing, CT_CLOSING, "{what}: marks the original entry closing");
         let what = format!("{}: after the FIN", w.name);
-        assert_eq!(run(&mut unit, "unit_ct_lookup", &tcp_syn(client, vip), &what).report.found, 0, "{what}: a SYN opens a new flow");
-        assert_eq!(run(&mut unit, "unit_ct_lookup", &tcp_ack(client, vip, 2_000_001), &what).report.found, 1, "{what}: the last ACK finds the flow");
+        assert_eq!(lookup(&mut unit, &tcp_syn(client, vip), &what).found, 0, "{what}: a SYN opens a new flow");
+        let last_ack = tcp_ack(client, vip, 2_000_001);
+        assert_eq!(lookup(&mut unit, &last_ack, &what).found, 1, "{what}: the last ACK finds the flow");
 
-        let mut confirmed = unit.hash::<CtKey, CtEntry>(MAP_CONNTRACK).unwrap();
-        confirmed.insert(&original, &CtEntry { last_seen_ns: 0, ..o }, 0).unwrap();
+        idle_since_boot(&mut unit, MAP_CONNTRACK, &original);
         let what = format!("{}: closed and idle past CT_CLOSING_TIMEOUT_NS", w.name);
-        assert_eq!(run(&mut unit, "unit_ct_lookup", &tcp_ack(client, vip, 2_000_001), &what).report.found, 0, "{what}: gone");
+        assert_eq!(lookup(&mut unit, &last_ack, &what).found, 0, "{what}: gone");
     }
 }
 
@@ -416,11 +448,12 @@ fn rewrite(unit: &mut Unit, program: &str, frame: &[u8], to: (IpAddr, u16), want
 fn nat_rewrites_keep_checksums_and_reverse_exactly() {
     let mut unit = load("unit-nat");
     for w in WORLDS {
-        let (client, vip, backend) = ((w.client, CLIENT_PORT), (w.vip, FRONTEND_PORT), (w.backend, BACKEND_PORT));
+        let (client, vip, backend) = w.ends();
         for proto in [IPPROTO_TCP, IPPROTO_UDP, IPPROTO_SCTP] {
             let what = format!("{} proto {proto}: DNAT client -> frontend to the backend", w.name);
             let original = datagram(proto, client, vip);
-            let out = rewrite(&mut unit, "unit_nat_dst", &original, backend, &datagram(proto, client, backend), &what);
+            let translated = datagram(proto, client, backend);
+            let out = rewrite(&mut unit, "unit_nat_dst", &original, backend, &translated, &what);
             let what = format!("{} proto {proto}: DNAT reversed", w.name);
             rewrite(&mut unit, "unit_nat_dst", &out, vip, &original, &what);
 
@@ -449,9 +482,9 @@ fn nat_keeps_udp_without_checksum() {
         f[ETH_HLEN + 20 + 6..ETH_HLEN + 20 + 8].fill(0);
         f
     };
-    let (client, vip, backend) = ((V4.client, CLIENT_PORT), (V4.vip, FRONTEND_PORT), (V4.backend, BACKEND_PORT));
-    let input = no_checksum(udp(client, vip, b"q"));
-    rewrite(&mut unit, "unit_nat_dst", &input, backend, &no_checksum(udp(client, backend, b"q")), "UDP without checksum, DNAT");
+    let (client, vip, backend) = V4.ends();
+    let (input, want) = (no_checksum(udp(client, vip, b"q")), no_checksum(udp(client, backend, b"q")));
+    rewrite(&mut unit, "unit_nat_dst", &input, backend, &want, "UDP without checksum, DNAT");
 }
 
 // ---------------------------------------------------------------- lb
@@ -479,6 +512,15 @@ fn backend_set(unit: &mut Unit, w: &World, count: u32) -> BTreeMap<u32, Backend>
     all
 }
 
+/// A backend choice for `service`, remembered for affinity or not (a trace's).
+fn choosing(service: ServiceEntry, remember: bool) -> UnitSetup {
+    UnitSetup { service, remember: remember as u8, ..Default::default() }
+}
+
+fn affinities(unit: &mut Unit) -> usize {
+    unit.hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY).unwrap().keys().count()
+}
+
 fn choose(unit: &mut Unit, w: &World, client: IpAddr, what: &str) -> Run {
     run(unit, "unit_lb_choose", &tcp_syn((client, CLIENT_PORT), (w.vip, FRONTEND_PORT)), what)
 }
@@ -491,7 +533,7 @@ fn lb_draws_backends_at_random_within_the_set() {
     let mut unit = load("unit-lb-random");
     for w in WORLDS {
         let set = backend_set(&mut unit, &w, 3);
-        unit.setup(UnitSetup { service: service_entry(3, 0), remember: 1, ..Default::default() }).unwrap();
+        unit.setup(choosing(service_entry(3, 0), true)).unwrap();
         let mut drawn: BTreeMap<u32, u32> = BTreeMap::new();
         const DRAWS: u32 = 300;
         for i in 0..DRAWS {
@@ -510,8 +552,7 @@ fn lb_draws_backends_at_random_within_the_set() {
             let n = drawn.get(id).copied().unwrap_or(0);
             assert!(n >= 50, "{}: backend {id} drawn {n} times of {DRAWS} ({drawn:?}): not uniform", w.name);
         }
-        let affinity = unit.hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY).unwrap();
-        assert_eq!(affinity.keys().count(), 0, "{}: no affinity remembered for a service without it", w.name);
+        assert_eq!(affinities(&mut unit), 0, "{}: no affinity remembered for a service without it", w.name);
     }
 }
 
@@ -522,11 +563,11 @@ fn lb_empty_set_has_no_backend() {
     let mut unit = load("unit-lb-empty");
     for w in WORLDS {
         backend_set(&mut unit, &w, 1);
-        unit.setup(UnitSetup { service: service_entry(0, 0), remember: 1, ..Default::default() }).unwrap();
+        unit.setup(choosing(service_entry(0, 0), true)).unwrap();
         let what = format!("{}: backend_count 0", w.name);
         assert_eq!(choose(&mut unit, &w, w.client, &what).report.found, 0, "{what}: no backend");
         unit.hash::<u32, Backend>(MAP_BACKENDS).unwrap().remove(&11).unwrap();
-        unit.setup(UnitSetup { service: service_entry(1, 0), remember: 1, ..Default::default() }).unwrap();
+        unit.setup(choosing(service_entry(1, 0), true)).unwrap();
         let what = format!("{}: the one slot's backend removed", w.name);
         assert_eq!(choose(&mut unit, &w, w.client, &what).report.found, 0, "{what}: no backend");
     }
@@ -543,45 +584,52 @@ fn lb_affinity_keeps_a_client_on_its_backend() {
     for w in WORLDS {
         let set = backend_set(&mut unit, &w, 3);
         let affinity_key = |client| AffinityKey { service_id: SERVICE_ID, client: addr(client) };
+        let stuck_to = |unit: &mut Unit, client| {
+            let affinity = unit.hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY).unwrap();
+            affinity.get(&affinity_key(client), 0).ok().map(|e| e.backend_id)
+        };
+        let stick = |unit: &mut Unit, client, entry: AffinityEntry| {
+            let mut affinity = unit.hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY).unwrap();
+            affinity.insert(&affinity_key(client), &entry, 0).unwrap();
+        };
 
-        unit.setup(UnitSetup { service: service_entry(3, 10_800), remember: 0, ..Default::default() }).unwrap();
+        unit.setup(choosing(service_entry(3, 10_800), false)).unwrap();
         let what = format!("{}: a trace's choice", w.name);
         assert_eq!(choose(&mut unit, &w, w.client, &what).report.found, 1, "{what}: a backend");
-        assert_eq!(unit.hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY).unwrap().keys().count(), 0, "{what}: remembers nothing");
+        assert_eq!(affinities(&mut unit), 0, "{what}: remembers nothing");
 
-        unit.setup(UnitSetup { service: service_entry(3, 10_800), remember: 1, ..Default::default() }).unwrap();
+        unit.setup(choosing(service_entry(3, 10_800), true)).unwrap();
         let what = format!("{}: first choice", w.name);
         let first = choose(&mut unit, &w, w.client, &what).report;
         assert_eq!((first.found, first.sticky), (1, 0), "{what}: drawn, not sticky");
-        let stuck = unit.hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY).unwrap().get(&affinity_key(w.client), 0);
-        assert_eq!(stuck.map(|e| e.backend_id).ok(), Some(first.backend_id), "{what}: remembered for the client");
+        assert_eq!(stuck_to(&mut unit, w.client), Some(first.backend_id), "{what}: remembered for the client");
         for i in 0..30 {
             let what = format!("{}: choice {i} after the first", w.name);
             let again = choose(&mut unit, &w, w.client, &what).report;
-            assert_eq!((again.backend_id, again.sticky), (first.backend_id, 1), "{what}: the same backend, by affinity");
+            assert_eq!((again.backend_id, again.sticky), (first.backend_id, 1), "{what}: the same backend (affinity)");
         }
         let what = format!("{}: another client", w.name);
         let other = choose(&mut unit, &w, w.client_2, &what).report;
         assert_eq!(other.sticky, 0, "{what}: draws its own");
-        assert!(unit.hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY).unwrap().get(&affinity_key(w.client_2), 0).is_ok(), "{what}: remembered too");
+        assert_eq!(stuck_to(&mut unit, w.client_2), Some(other.backend_id), "{what}: remembered too");
 
         // Stale: the timeout is 1 s and the entry was stamped at boot.
-        unit.setup(UnitSetup { service: service_entry(3, 1), remember: 1, ..Default::default() }).unwrap();
-        let stale = AffinityEntry { backend_id: first.backend_id, _pad: 0, last_seen_ns: 0 };
-        unit.hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY).unwrap().insert(&affinity_key(w.client), &stale, 0).unwrap();
+        unit.setup(choosing(service_entry(3, 1), true)).unwrap();
+        stick(&mut unit, w.client, AffinityEntry { backend_id: first.backend_id, _pad: 0, last_seen_ns: 0 });
         let what = format!("{}: a stale affinity", w.name);
         let fresh = choose(&mut unit, &w, w.client, &what).report;
         assert_eq!((fresh.found, fresh.sticky), (1, 0), "{what}: drawn afresh");
 
-        unit.setup(UnitSetup { service: service_entry(3, 10_800), remember: 1, ..Default::default() }).unwrap();
-        let gone = AffinityEntry { backend_id: 99, _pad: 0, last_seen_ns: u64::MAX };
-        unit.hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY).unwrap().insert(&affinity_key(w.client), &gone, 0).unwrap();
+        unit.setup(choosing(service_entry(3, 10_800), true)).unwrap();
+        stick(&mut unit, w.client, AffinityEntry { backend_id: 99, _pad: 0, last_seen_ns: u64::MAX });
         let what = format!("{}: an affinity to a backend that is gone", w.name);
         let fresh = choose(&mut unit, &w, w.client, &what).report;
         assert_eq!(fresh.sticky, 0, "{what}: drawn afresh");
         assert!(set.contains_key(&fresh.backend_id), "{what}: from the set");
-        let _ = unit.hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY).unwrap().remove(&affinity_key(w.client));
-        let _ = unit.hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY).unwrap().remove(&affinity_key(w.client_2));
+        let mut affinity = unit.hash::<AffinityKey, AffinityEntry>(MAP_AFFINITY).unwrap();
+        for client in [w.client, w.client_2] {
+            affinity.remove(&affinity_key(client)).unwrap();
+        }
     }
 }
 
@@ -601,23 +649,30 @@ fn lb_frontend_lookup_by_scope_and_misses() {
         frontends.insert(&fk(SCOPE_INTERNAL), &internal, 0).unwrap();
         frontends.insert(&fk(SCOPE_EXTERNAL), &external, 0).unwrap();
         frontends.insert(&cluster_ip_marker(addr(w.vip)), &ServiceEntry::default(), 0).unwrap();
-        let (len, net) = w.cluster_cidr;
-        unit.lpm::<CidrData, u8>(MAP_CLUSTER_CIDRS).unwrap().insert(&Key::new(len, CidrData { addr: addr(net) }), &1, 0).unwrap();
-        let (len, net) = w.service_cidr;
-        unit.lpm::<CidrData, u8>(MAP_SERVICE_CIDRS).unwrap().insert(&Key::new(len, CidrData { addr: addr(net) }), &1, 0).unwrap();
+        for (map, (len, net)) in [(MAP_CLUSTER_CIDRS, w.cluster_cidr), (MAP_SERVICE_CIDRS, w.service_cidr)] {
+            let mut cidrs = unit.lpm::<CidrData, u8>(map).unwrap();
+            cidrs.insert(&Key::new(len, CidrData { addr: addr(net) }), &1, 0).unwrap();
+        }
 
         let outside = match w.client {
             IpAddr::V4(_) => IpAddr::V4(EXTERNAL),
             IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 2)),
         };
         let syn = |src: IpAddr, dst: IpAddr, port: u16| tcp_syn((src, CLIENT_PORT), (dst, port));
+        let (client, vip, _) = w.ends();
+        let by_source = UNIT_SCOPE_OF_SOURCE;
         for (what, frame, scope, want) in [
-            ("an in-cluster client", syn(w.client, w.vip, FRONTEND_PORT), UNIT_SCOPE_OF_SOURCE, Ok(internal)),
-            ("an external client", syn(outside, w.vip, FRONTEND_PORT), UNIT_SCOPE_OF_SOURCE, Ok(external)),
+            ("an in-cluster client", syn(w.client, w.vip, FRONTEND_PORT), by_source, Ok(internal)),
+            ("an external client", syn(outside, w.vip, FRONTEND_PORT), by_source, Ok(external)),
             ("the external scope asked", syn(w.client, w.vip, FRONTEND_PORT), SCOPE_EXTERNAL, Ok(external)),
-            ("a port the ClusterIP does not serve", syn(w.client, w.vip, 81), UNIT_SCOPE_OF_SOURCE, Err(UNIT_MISS_REJECT)),
-            ("UDP to the TCP port", udp((w.client, CLIENT_PORT), (w.vip, FRONTEND_PORT), b"q"), SCOPE_INTERNAL, Err(UNIT_MISS_REJECT)),
-            ("an unallocated service address", syn(w.client, w.unallocated, FRONTEND_PORT), SCOPE_INTERNAL, Err(UNIT_MISS_DROP_UNALLOCATED)),
+            ("a port the ClusterIP does not serve", syn(w.client, w.vip, 81), by_source, Err(UNIT_MISS_REJECT)),
+            ("UDP to the TCP port", udp(client, vip, b"q"), SCOPE_INTERNAL, Err(UNIT_MISS_REJECT)),
+            (
+                "an unallocated service address",
+                syn(w.client, w.unallocated, FRONTEND_PORT),
+                SCOPE_INTERNAL,
+                Err(UNIT_MISS_DROP_UNALLOCATED),
+            ),
             ("a pod's address", syn(w.client, w.backend_2, FRONTEND_PORT), SCOPE_INTERNAL, Err(UNIT_MISS_NOT_OURS)),
         ] {
             let what = format!("{}: {what}", w.name);
@@ -628,7 +683,9 @@ fn lb_frontend_lookup_by_scope_and_misses() {
                     assert_eq!((r.found, r.miss), (1, UNIT_MISS_NONE), "{what}: finds a frontend");
                     assert_eq!(r.service, service, "{what}: the service of its scope");
                 }
-                Err(miss) => assert_eq!((r.found, r.miss), (0, miss), "{what}: the miss (1 not ours, 2 reject, 3 drop)"),
+                Err(miss) => {
+                    assert_eq!((r.found, r.miss), (0, miss), "{what}: the miss (1 not ours, 2 reject, 3 drop)")
+                }
             }
         }
     }
@@ -638,12 +695,15 @@ fn lb_frontend_lookup_by_scope_and_misses() {
 
 /// Checks the reply's Ethernet and IP headers are the packet's, reversed.
 fn addressed_back(what: &str, input: &[u8], out: &[u8]) {
-    assert_eq!((&out[0..6], &out[6..12]), (&MAC_SRC[..], &MAC_DST[..]), "{what}: MACs swapped back to the sender");
+    let macs = (&out[0..6], &out[6..12]);
+    assert_eq!(macs, (&MAC_SRC[..], &MAC_DST[..]), "{what}: MACs swapped back to the sender");
     let (i, o) = (SlicedPacket::from_ethernet(input).unwrap(), SlicedPacket::from_ethernet(out).unwrap());
-    let ends = |p: &SlicedPacket| match &p.net {
-        Some(NetSlice::Ipv4(ip)) => (IpAddr::from(ip.header().source_addr()), IpAddr::from(ip.header().destination_addr())),
-        Some(NetSlice::Ipv6(ip)) => (IpAddr::from(ip.header().source_addr()), IpAddr::from(ip.header().destination_addr())),
-        _ => panic!("{what}: not IP"),
+    let ends = |p: &SlicedPacket| -> (IpAddr, IpAddr) {
+        match &p.net {
+            Some(NetSlice::Ipv4(ip)) => (ip.header().source_addr().into(), ip.header().destination_addr().into()),
+            Some(NetSlice::Ipv6(ip)) => (ip.header().source_addr().into(), ip.header().destination_addr().into()),
+            _ => panic!("{what}: not IP"),
+        }
     };
     let ((src, dst), (reply_src, reply_dst)) = (ends(&i), ends(&o));
     assert_eq!((reply_src, reply_dst), (dst, src), "{what}: from the address dialled back to the sender");
@@ -657,7 +717,7 @@ fn addressed_back(what: &str, input: &[u8], out: &[u8]) {
 fn reject_builds_a_reply_to_the_sender() {
     let mut unit = load("unit-reject");
     for w in WORLDS {
-        let (client, vip) = ((w.client, CLIENT_PORT), (w.vip, FRONTEND_PORT));
+        let (client, vip, _) = w.ends();
         for (what, input) in [
             ("TCP SYN", tcp_syn(client, vip)),
             ("TCP data", tcp_data(client, vip, b"GET /")),
@@ -674,7 +734,8 @@ fn reject_builds_a_reply_to_the_sender() {
                 Some(TransportHeader::Tcp(t)) => {
                     assert!(input_is_tcp(&input), "{what}: a RST only for TCP");
                     assert!(t.rst, "{what}: RST set");
-                    assert_eq!((t.source_port, t.destination_port), (FRONTEND_PORT, CLIENT_PORT), "{what}: ports swapped");
+                    let ports = (t.source_port, t.destination_port);
+                    assert_eq!(ports, (FRONTEND_PORT, CLIENT_PORT), "{what}: ports swapped");
                 }
                 Some(TransportHeader::Icmpv4(i)) => {
                     let unreachable = Icmpv4Type::DestinationUnreachable(icmpv4::DestUnreachableHeader::Port);
@@ -700,7 +761,8 @@ fn input_is_tcp(frame: &[u8]) -> bool {
 #[ignore = "needs root (BPF)"]
 fn reject_refuses_ipv4_options() {
     let mut unit = load("unit-reject-opts");
-    let mut input = tcp_syn((V4.client, CLIENT_PORT), (V4.vip, FRONTEND_PORT));
+    let (client, vip, _) = V4.ends();
+    let mut input = tcp_syn(client, vip);
     insert_ipv4_options(&mut input, &[1, 1, 1, 0]);
     let out = run(&mut unit, "unit_reject", &input, "SYN with IPv4 options");
     assert_eq!(out.verdict, TC_ACT_SHOT, "SYN with IPv4 options: no reply built");

@@ -45,7 +45,8 @@ pub fn unit_lb_choose(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn choose<F: Family>(ctx: &TcContext) -> i32 {
     let Some((pkt, setup, report)) = start::<F>(ctx) else { return NOT_RUN };
-    if let Some((backend_id, backend, sticky)) = lb::choose_backend(&setup.service, &pkt.tuple.src, setup.remember != 0) {
+    let chosen = lb::choose_backend(&setup.service, &pkt.tuple.src, setup.remember != 0);
+    if let Some((backend_id, backend, sticky)) = chosen {
         report.found = 1;
         report.backend_id = backend_id;
         report.backend = backend;

@@ -31,7 +31,11 @@ pub fn unit_nat_src(ctx: TcContext) -> i32 {
 fn rewrite<F: Family, const DST: bool>(ctx: &TcContext) -> i32 {
     let Some((pkt, setup, report)) = start::<F>(ctx) else { return NOT_RUN };
     let (addr, port) = (&setup.backend.addr, setup.backend.port);
-    let done = if DST { nat::rewrite_dst::<F>(ctx, &pkt, addr, port) } else { nat::rewrite_src::<F>(ctx, &pkt, addr, port) };
+    let done = if DST {
+        nat::rewrite_dst::<F>(ctx, &pkt, addr, port)
+    } else {
+        nat::rewrite_src::<F>(ctx, &pkt, addr, port)
+    };
     report.rc = rc(done);
     report.ran = 1;
     if report.rc == 0 { TC_ACT_OK as i32 } else { TC_ACT_SHOT as i32 }
