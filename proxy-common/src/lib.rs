@@ -10,6 +10,7 @@ pub mod csum;
 pub mod maps;
 pub mod reject_limit;
 pub mod tcp;
+pub mod unit;
 
 pub use addr::Addr;
 pub use counter::{Counter, Verdict};

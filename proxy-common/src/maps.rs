@@ -511,6 +511,8 @@ mod pod {
     unsafe impl aya::Pod for SourceRangeData {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityEntry {}
+    unsafe impl aya::Pod for crate::unit::UnitSetup {}
+    unsafe impl aya::Pod for crate::unit::UnitReport {}
 }
 
 #[cfg(test)]

@@ -218,7 +218,7 @@ pub fn run_table(fx: &Fixture, title: &str, cases: Vec<Case>) {
 }
 
 /// The differing bytes (the first 12), each named by the field of `want` it is in.
-fn diff(want: &[u8], got: &[u8]) -> String {
+pub fn diff(want: &[u8], got: &[u8]) -> String {
     let mut parts = Vec::new();
     if want.len() != got.len() {
         parts.push(format!("length {} (want {})", got.len(), want.len()));

@@ -14,6 +14,7 @@ pub mod addrs;
 pub mod agent;
 pub mod bench;
 pub mod bpf_ids;
+pub mod bpf_unit;
 pub mod bpffs;
 pub mod cgroup;
 pub mod conformance;

@@ -1,0 +1,113 @@
+//! The BPF unit tests' harness (tests/tests/bpf_unit.rs): the unit object
+//! (proxy-ebpf's `bpf_unit`, built by tests/build.rs; see
+//! proxy-ebpf/src/bpf_unit.rs), loaded with its maps pinned on a private
+//! bpffs, and single runs of one program on one frame through
+//! BPF_PROG_TEST_RUN.
+
+use anyhow::{Context, Result, ensure};
+use aya::{
+    Ebpf, EbpfLoader, Pod,
+    maps::{Array, HashMap, LpmTrie, MapData},
+    programs::{SchedClassifier, TestRun, TestRunOptions},
+};
+use proxy_common::{
+    GLOBAL_HAS_COARSE_CLOCK, MAP_AFFINITY, MAP_CONNTRACK, MAP_CT_UNCONFIRMED, MAP_SNAT, MAP_SNAT_UNCONFIRMED,
+    MAP_SOCK_REVNAT,
+    unit::{UnitReport, UnitSetup},
+};
+
+use crate::{bpffs::Bpffs, is_root};
+
+pub static UNIT_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/bpf_unit"));
+
+const UNIT_SETUP: &str = "UNIT_SETUP";
+const UNIT_REPORT: &str = "UNIT_REPORT";
+/// The preallocated (LRU) maps, kept small: a test holds a few entries.
+const SMALL_MAPS: &[&str] = &[
+    MAP_CONNTRACK,
+    MAP_CT_UNCONFIRMED,
+    MAP_SNAT,
+    MAP_SNAT_UNCONFIRMED,
+    MAP_AFFINITY,
+    MAP_SOCK_REVNAT,
+    "FRAGMENTS",
+    "REJECT_BUDGETS",
+];
+
+/// What one run gave: the program's verdict, the frame as it left it, and
+/// its report.
+pub struct Run {
+    pub verdict: u32,
+    pub frame: Vec<u8>,
+    pub report: UnitReport,
+}
+
+pub struct Unit {
+    // Fields drop in order: programs and maps go before the bpffs unmounts.
+    ebpf: Ebpf,
+    _bpffs: Bpffs,
+}
+
+impl Unit {
+    /// The unit object, loaded afresh (empty maps) for one test.
+    pub fn load(label: &str) -> Result<Unit> {
+        ensure!(is_root(), "needs root (BPF)");
+        let bpffs = Bpffs::new(label).context("mounting a private bpffs")?;
+        let features = proxy_user::kernel::probe()?;
+        let coarse_clock = u32::from(features.coarse_clock);
+        let mut loader = EbpfLoader::new();
+        for name in SMALL_MAPS {
+            loader.map_max_entries(name, 1024);
+        }
+        let ebpf = loader
+            .default_map_pin_directory(bpffs.path())
+            .override_global(GLOBAL_HAS_COARSE_CLOCK, &coarse_clock, true)
+            .load(UNIT_OBJECT)
+            .context("loading the unit object")?;
+        Ok(Unit { ebpf, _bpffs: bpffs })
+    }
+
+    /// The setup the next runs read.
+    pub fn setup(&mut self, setup: UnitSetup) -> Result<()> {
+        let mut map: Array<&mut MapData, UnitSetup> = self.map(UNIT_SETUP)?;
+        Ok(map.set(0, &setup, 0)?)
+    }
+
+    /// One run of `program` on `frame`, its report zeroed first. The
+    /// program goes through the verifier at its first run: a test loads
+    /// only the programs it runs, so one that the verifier refuses fails
+    /// its own concern's tests, not every test.
+    pub fn run(&mut self, program: &str, frame: &[u8]) -> Result<Run> {
+        let mut report: Array<&mut MapData, UnitReport> = self.map(UNIT_REPORT)?;
+        report.set(0, &UnitReport::default(), 0)?;
+        let prog: &mut SchedClassifier =
+            self.ebpf.program_mut(program).with_context(|| format!("no program {program}"))?.try_into()?;
+        if prog.fd().is_err() {
+            prog.load().with_context(|| format!("the verifier refuses {program}"))?;
+        }
+        let mut out = vec![0u8; frame.len() + 256];
+        let res = prog
+            .test_run(TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ..TestRunOptions::new() })
+            .with_context(|| format!("BPF_PROG_TEST_RUN of {program}"))?;
+        out.truncate(res.data_size_out as usize);
+        let report: Array<&mut MapData, UnitReport> = self.map(UNIT_REPORT)?;
+        Ok(Run { verdict: res.return_value, frame: out, report: report.get(&0, 0)? })
+    }
+
+    /// A hash map of the object (LRU or not) by name.
+    pub fn hash<K: Pod, V: Pod>(&mut self, name: &str) -> Result<HashMap<&mut MapData, K, V>> {
+        self.map(name)
+    }
+
+    pub fn lpm<K: Pod, V: Pod>(&mut self, name: &str) -> Result<LpmTrie<&mut MapData, K, V>> {
+        self.map(name)
+    }
+
+    fn map<'a, M>(&'a mut self, name: &str) -> Result<M>
+    where
+        M: TryFrom<&'a mut aya::maps::Map, Error = aya::maps::MapError>,
+    {
+        let map = self.ebpf.map_mut(name).with_context(|| format!("no map {name} in the unit object"))?;
+        M::try_from(map).with_context(|| format!("map {name}"))
+    }
+}
