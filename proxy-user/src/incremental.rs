@@ -467,7 +467,8 @@ mod tests {
     use crate::{
         capacity::ServiceMap,
         manifest,
-        reconciler::{Contents, MapWriter, Reconciler},
+        maps::{Contents, MapWriter},
+        reconciler::Reconciler,
         source::manifests,
     };
 

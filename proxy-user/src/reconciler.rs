@@ -25,48 +25,9 @@ use proxy_common::{
 
 use crate::{
     incremental::Touched,
+    maps::{Contents, MapWriter},
     model::{BackendSetKey, BackendTuple, DesiredState},
 };
-
-/// What the maps hold (or, for the reconciler, what it has written).
-#[derive(Clone, Default, Debug, PartialEq, Eq)]
-pub struct Contents {
-    pub frontends: HashMap<FrontendKey, ServiceEntry>,
-    pub slots: HashMap<SlotKey, u32>,
-    pub backends: HashMap<u32, Backend>,
-    /// service ID -> (`namespace/name:port`, endpoint policy)
-    pub names: HashMap<u32, (String, u8)>,
-    /// loadBalancerSourceRanges entries: (service ID, allowed prefix).
-    pub source_ranges: HashSet<(u32, IpNet)>,
-    /// Where an address no Service owns is dropped.
-    pub service_cidrs: BTreeSet<IpNet>,
-    /// sessionAffinity entries. The datapath writes them; the agent only
-    /// deletes stale ones (`MapWriter::purge_affinity`), never reads them
-    /// into `Reconciler::held`: here for tests that stand in for the maps.
-    pub affinity: HashMap<AffinityKey, AffinityEntry>,
-}
-
-/// Writes to the datapath maps. The real one is `maps::Maps`; tests use `Contents`.
-pub trait MapWriter {
-    fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<()>;
-    fn del_backend(&mut self, id: u32) -> Result<()>;
-    fn put_slot(&mut self, key: &SlotKey, backend_id: u32) -> Result<()>;
-    fn del_slot(&mut self, key: &SlotKey) -> Result<()>;
-    fn put_frontend(&mut self, key: &FrontendKey, entry: &ServiceEntry) -> Result<()>;
-    fn del_frontend(&mut self, key: &FrontendKey) -> Result<()>;
-    fn put_name(&mut self, id: u32, name: &ServiceName) -> Result<()>;
-    fn del_name(&mut self, id: u32) -> Result<()>;
-    fn put_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()>;
-    fn del_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()>;
-    fn put_service_cidr(&mut self, net: &IpNet) -> Result<()>;
-    fn del_service_cidr(&mut self, net: &IpNet) -> Result<()>;
-    /// Deletes every AFFINITY entry `stale` picks and returns how many went.
-    /// With `settle`, first waits until every BPF program running now has
-    /// finished: one that read the maps before the removals just made could
-    /// otherwise still write an entry naming a removed backend after the
-    /// scan went past it.
-    fn purge_affinity(&mut self, settle: bool, stale: &mut dyn FnMut(&AffinityKey, &AffinityEntry) -> bool) -> Result<usize>;
-}
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct SyncStats {
@@ -544,62 +505,6 @@ impl FreeIds {
         for id in std::mem::take(&mut self.quarantined) {
             self.give_back(id);
         }
-    }
-}
-
-impl MapWriter for Contents {
-    fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<()> {
-        self.backends.insert(id, *backend);
-        Ok(())
-    }
-    fn del_backend(&mut self, id: u32) -> Result<()> {
-        self.backends.remove(&id);
-        Ok(())
-    }
-    fn put_slot(&mut self, key: &SlotKey, backend_id: u32) -> Result<()> {
-        self.slots.insert(*key, backend_id);
-        Ok(())
-    }
-    fn del_slot(&mut self, key: &SlotKey) -> Result<()> {
-        self.slots.remove(key);
-        Ok(())
-    }
-    fn put_frontend(&mut self, key: &FrontendKey, entry: &ServiceEntry) -> Result<()> {
-        self.frontends.insert(*key, *entry);
-        Ok(())
-    }
-    fn del_frontend(&mut self, key: &FrontendKey) -> Result<()> {
-        self.frontends.remove(key);
-        Ok(())
-    }
-    fn put_name(&mut self, id: u32, name: &ServiceName) -> Result<()> {
-        self.names.insert(id, (name.as_str().to_string(), name.policy));
-        Ok(())
-    }
-    fn del_name(&mut self, id: u32) -> Result<()> {
-        self.names.remove(&id);
-        Ok(())
-    }
-    fn put_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()> {
-        self.source_ranges.insert((service_id, *net));
-        Ok(())
-    }
-    fn del_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()> {
-        self.source_ranges.remove(&(service_id, *net));
-        Ok(())
-    }
-    fn put_service_cidr(&mut self, net: &IpNet) -> Result<()> {
-        self.service_cidrs.insert(*net);
-        Ok(())
-    }
-    fn del_service_cidr(&mut self, net: &IpNet) -> Result<()> {
-        self.service_cidrs.remove(net);
-        Ok(())
-    }
-    fn purge_affinity(&mut self, _settle: bool, stale: &mut dyn FnMut(&AffinityKey, &AffinityEntry) -> bool) -> Result<usize> {
-        let before = self.affinity.len();
-        self.affinity.retain(|k, v| !stale(k, v));
-        Ok(before - self.affinity.len())
     }
 }
 

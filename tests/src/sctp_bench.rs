@@ -9,7 +9,7 @@ use std::{fmt, time::Duration};
 
 use anyhow::{Context, Result};
 use proxy_common::*;
-use proxy_user::{maps::Maps, reconciler::MapWriter};
+use proxy_user::maps::{MapWriter, Maps};
 
 use crate::{
     fixture::{Fixture, TC_ACT_OK},

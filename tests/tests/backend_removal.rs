@@ -16,8 +16,7 @@ use etherparse::{PacketBuilder, SlicedPacket, TransportSlice};
 use proxy_common::*;
 use proxy_tests::fixture::{Fixture, TC_ACT_OK};
 use proxy_user::{
-    maps::{Maps, TC_INGRESS},
-    reconciler::MapWriter,
+    maps::{MapWriter, Maps, TC_INGRESS},
 };
 
 const CLIENT: ([u8; 4], u16) = ([10, 244, 0, 2], 40000);

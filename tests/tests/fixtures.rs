@@ -23,7 +23,7 @@ use proxy_tests::{
         tcp_syn, tcp_syn_ack, udp, with_ipv4_header,
     },
 };
-use proxy_user::{maps::Maps, reconciler::MapWriter};
+use proxy_user::maps::{MapWriter, Maps};
 
 // CLIENT and BACKEND are pods of the cluster CIDR, VIP serves 80/TCP ->
 // 8080 and 53/UDP -> 5353 on BACKEND, VIP_EMPTY 80/TCP with no backend,

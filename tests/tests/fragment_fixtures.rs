@@ -27,7 +27,7 @@ use proxy_tests::{
     fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, run_table},
     frames::{Endpoint, fragments, set_ipv4_checksum, udp},
 };
-use proxy_user::{maps::Maps, reconciler::MapWriter};
+use proxy_user::maps::{MapWriter, Maps};
 
 struct Net {
     client: IpAddr,

@@ -24,7 +24,7 @@ use proxy_tests::{
     fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, run_table},
     frames::{Endpoint, IcmpError, icmp_echo, icmp_error, ip_of, ip_packet, tcp_syn, udp},
 };
-use proxy_user::{maps::Maps, reconciler::MapWriter};
+use proxy_user::maps::{MapWriter, Maps};
 
 /// One family's addresses.
 struct Net {

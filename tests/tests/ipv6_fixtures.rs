@@ -21,7 +21,7 @@ use proxy_tests::{
         with_ipv6_payload_len,
     },
 };
-use proxy_user::{maps::Maps, reconciler::MapWriter};
+use proxy_user::maps::{MapWriter, Maps};
 
 // The fixtures' own IPv6 world (fd00:10:…, not `proxy_tests::addrs`'s fd00:244::…).
 

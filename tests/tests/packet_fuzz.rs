@@ -47,8 +47,7 @@ use proxy_tests::{
     sctp,
 };
 use proxy_user::{
-    maps::{Maps, TC_EGRESS, TC_INGRESS},
-    reconciler::MapWriter,
+    maps::{MapWriter, Maps, TC_EGRESS, TC_INGRESS},
 };
 
 // The generator works on octets (random addresses among them).

@@ -23,7 +23,7 @@ use proxy_tests::{
     frames::{ETH_HLEN, ip_packet, sctp_frame, with_ipv4_header},
     sctp::chunk,
 };
-use proxy_user::{maps::Maps, reconciler::MapWriter};
+use proxy_user::maps::{MapWriter, Maps};
 
 // VIP serves 2905/SCTP -> 3905 on BACKEND: port and address translated.
 const PORT: u16 = 2905;

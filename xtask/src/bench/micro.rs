@@ -47,10 +47,7 @@ use proxy_tests::{
     frames,
     sctp::chunk,
 };
-use proxy_user::{
-    maps::{self, Maps, TC_INGRESS},
-    reconciler::MapWriter,
-};
+use proxy_user::maps::{self, MapWriter, Maps, TC_INGRESS};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 pub const SCALES: [usize; 4] = [1, 1_000, 10_000, 100_000];
