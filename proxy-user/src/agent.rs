@@ -107,16 +107,26 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // addresses come in time (new programs then start on full maps).
     let cgroup_root = cgroup::resolve_root_or_warn(args.cgroup_root.as_deref())?;
     let hooks = cgroup_root.is_some();
-    let mut verifying = tokio::task::spawn_blocking(move || -> Result<aya::Ebpf> {
-        let mut ebpf = ebpf;
-        for (program, _, _) in attach::HOOKS {
-            maps::load_tc(&mut ebpf, program)?;
-        }
-        if hooks {
-            cgroup::load(&mut ebpf)?;
-        }
-        Ok(ebpf)
-    });
+    let (verified_tx, mut verifying) = oneshot::channel();
+    std::thread::Builder::new().name("verifier".into()).spawn(move || {
+        // The verifier's CPU comes after the reading and the first sync's
+        // (on a node with few cores they would otherwise share it, and the
+        // first sync is what /healthz waits for): it takes what they leave.
+        // In the agent's container cgroup, nice ranks it among the agent's
+        // own threads only, not against other pods.
+        lower_this_threads_priority();
+        let verified = (|| -> Result<aya::Ebpf> {
+            let mut ebpf = ebpf;
+            for (program, _, _) in attach::HOOKS {
+                maps::load_tc(&mut ebpf, program)?;
+            }
+            if hooks {
+                cgroup::load(&mut ebpf)?;
+            }
+            Ok(ebpf)
+        })();
+        let _ = verified_tx.send(verified);
+    })?;
     let mut first = None;
     let mut ebpf = tokio::select! {
         verified = &mut verifying => verified??,
@@ -232,6 +242,17 @@ async fn first_inputs(
     addrs_rx.changed().await.ok()?;
     let addrs = addrs_rx.borrow_and_update().clone();
     Some((snap, addrs))
+}
+
+/// Nice 10 for the calling thread only (Linux's nice is per thread); a
+/// thread that exits afterwards needs no way back, which would take
+/// CAP_SYS_NICE.
+fn lower_this_threads_priority() {
+    // SAFETY: gettid and setpriority take integers and touch no memory of ours.
+    let done = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10) } == 0;
+    if !done {
+        tracing::debug!("could not lower the verifier thread's priority: {}", std::io::Error::last_os_error());
+    }
 }
 
 /// When to sync again after a sync that went this way.
