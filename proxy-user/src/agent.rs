@@ -129,7 +129,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     })?;
     let mut first = None;
     let mut ebpf = tokio::select! {
-        verified = &mut verifying => verified??,
+        verified = &mut verifying => verified.context("the verifier thread stopped")??,
         inputs = first_inputs(&mut rx, &mut addrs_rx) => {
             if let Some((snap, addrs)) = inputs {
                 syncer.set_node_addresses(&addrs, &args.cluster_cidr, &mut maps);
@@ -138,7 +138,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let outcome = syncer.sync_and_serve(&snap, &mut reconciler, &mut maps, &mut health_checks).await;
                 first = Some((snap, outcome));
             }
-            verifying.await??
+            verifying.await.context("the verifier thread stopped")??
         }
     };
     let mode = attach::choose_mode(&mut ebpf, args.tc_attach)?;
