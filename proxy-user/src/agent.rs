@@ -133,8 +133,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         inputs = first_inputs(&mut rx, &mut addrs_rx) => {
             if let Some((snap, addrs)) = inputs {
                 syncer.set_node_addresses(&addrs, &args.cluster_cidr, &mut maps);
-                syncer.health.set_node_eligible(model::node::eligible(snap.node.as_ref()));
-                syncer.health.queued_update();
+                syncer.snapshot_arrived(Some(&snap));
                 let outcome = syncer.sync_and_serve(&snap, &mut reconciler, &mut maps, &mut health_checks).await;
                 first = Some((snap, outcome));
             }
@@ -182,8 +181,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     } else if let Some(snap) = unsynced {
         // The first snapshot came, but not yet the addresses, when the
         // verifier finished: waiting for them marked it seen.
-        syncer.health.set_node_eligible(model::node::eligible(snap.node.as_ref()));
-        syncer.health.queued_update();
+        syncer.snapshot_arrived(Some(&snap));
         latest = Some(snap);
         pending = true;
     }
@@ -195,10 +193,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     return res.context("source stopped");
                 }
                 latest = rx.borrow_and_update().clone();
-                if let Some(snap) = &latest {
-                    syncer.health.set_node_eligible(model::node::eligible(snap.node.as_ref()));
-                }
-                syncer.health.queued_update();
+                syncer.snapshot_arrived(latest.as_deref());
                 pending = true;
                 retry_at = None;
             }
@@ -293,6 +288,15 @@ struct Syncer {
 }
 
 impl Syncer {
+    /// A new snapshot is waiting to be synced: /healthz counts the change
+    /// as pending and follows the node's eligibility at once.
+    fn snapshot_arrived(&self, snap: Option<&Snapshot>) {
+        if let Some(snap) = snap {
+            self.health.set_node_eligible(model::node::eligible(snap.node.as_ref()));
+        }
+        self.health.queued_update();
+    }
+
     /// The node's addresses, for the model and the masquerade sources.
     fn set_node_addresses(&mut self, addrs: &NodeAddrs, cluster_cidrs: &[IpNet], maps: &mut Maps) {
         info!(addresses = ?addrs.all(), "node addresses");
