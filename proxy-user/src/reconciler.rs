@@ -180,6 +180,8 @@ impl Reconciler {
         let mut stats = SyncStats::default();
 
         // 1. Backends, and names of new services.
+        let mut tuples = Vec::new();
+        let mut writes = Vec::new();
         for t @ &(addr, port, proto) in &touched.backends {
             let Some(&flags) = desired.backends.get(t) else { continue };
             let id = match self.backend_ids.get(t) {
@@ -188,16 +190,24 @@ impl Reconciler {
             };
             let want = Backend { addr: Addr::from(addr), port: port.to_be(), proto, flags };
             if self.held.backends.get(&id) != Some(&want) {
-                if let Err(e) = maps.put_backend(id, &want) {
-                    if !self.backend_ids.contains_key(t) {
-                        self.free_backend_ids.give_back(id);
-                    }
-                    return Err(e).with_context(|| format!("backend {addr}:{port}"));
-                }
-                self.held.backends.insert(id, want);
-                self.backend_ids.insert(*t, id);
-                stats.writes += 1;
+                tuples.push(t);
+                writes.push((id, want));
             }
+        }
+        let (written, result) = maps.put_backends(&writes);
+        for (&t, &(id, want)) in tuples.iter().zip(&writes).take(written) {
+            self.held.backends.insert(id, want);
+            self.backend_ids.insert(*t, id);
+            stats.writes += 1;
+        }
+        if let Err(e) = result {
+            for (t, &(id, _)) in tuples.iter().zip(&writes).skip(written) {
+                if !self.backend_ids.contains_key(*t) {
+                    self.free_backend_ids.give_back(id);
+                }
+            }
+            let (addr, port, _) = tuples[written];
+            return Err(e).with_context(|| format!("backend {addr}:{port}"));
         }
         let mut set_ids: HashMap<&BackendSetKey, u32> = HashMap::new();
         for &set in touched.sets.iter().filter(|s| desired.backend_sets.contains_key(**s)) {
@@ -220,19 +230,28 @@ impl Reconciler {
         }
 
         // 2. Slots, then the frontends that expose them.
+        let mut services = Vec::new();
+        let mut writes = Vec::new();
         for (&set, &service_id) in &set_ids {
             for (slot, b) in desired.backend_sets[set].iter().enumerate() {
                 let key = SlotKey { service_id, slot: slot as u32 };
                 let backend_id = self.backend_ids[&(b.addr, b.port, b.proto)];
                 if self.held.slots.get(&key) != Some(&backend_id) {
-                    maps.put_slot(&key, backend_id).with_context(|| format!("service {}: backend slot {slot}", set.service))?;
-                    // The slot's previous backend may have left the set.
-                    self.affinity_purge_due |= self.held.slots.insert(key, backend_id).is_some();
-                    let n = self.slot_counts.entry(service_id).or_default();
-                    *n = (*n).max(slot as u32 + 1);
-                    stats.writes += 1;
+                    services.push(&set.service);
+                    writes.push((key, backend_id));
                 }
             }
+        }
+        let (written, result) = maps.put_slots(&writes);
+        for &(key, backend_id) in writes.iter().take(written) {
+            // The slot's previous backend may have left the set.
+            self.affinity_purge_due |= self.held.slots.insert(key, backend_id).is_some();
+            let n = self.slot_counts.entry(key.service_id).or_default();
+            *n = (*n).max(key.slot + 1);
+            stats.writes += 1;
+        }
+        if let Err(e) = result {
+            return Err(e).with_context(|| format!("service {}: backend slot {}", services[written], writes[written].0.slot));
         }
         // Source ranges before the frontends that consult them.
         let mut want_ranges: HashSet<(u32, IpNet)> = HashSet::new();
@@ -248,20 +267,24 @@ impl Reconciler {
             }
         }
         let mut stale_frontends = Vec::new();
+        let mut writes = Vec::new();
         let markers = touched.cluster_ips.iter().map(|ip| cluster_ip_marker(Addr::from(*ip)));
         for key in touched.frontends.iter().copied().chain(markers) {
             match self.frontend_entry(desired, &set_ids, &key) {
-                Some(want) => {
-                    if self.held.frontends.get(&key) != Some(&want) {
-                        maps.put_frontend(&key, &want)
-                            .with_context(|| format!("frontend {}:{}", key.addr, u16::from_be(key.port)))?;
-                        self.held.frontends.insert(key, want);
-                        self.affinity_served |= want.affinity_timeout_s != 0;
-                        stats.writes += 1;
-                    }
-                }
+                Some(want) if self.held.frontends.get(&key) != Some(&want) => writes.push((key, want)),
+                Some(_) => {}
                 None => stale_frontends.push(key),
             }
+        }
+        let (written, result) = maps.put_frontends(&writes);
+        for &(key, want) in writes.iter().take(written) {
+            self.held.frontends.insert(key, want);
+            self.affinity_served |= want.affinity_timeout_s != 0;
+            stats.writes += 1;
+        }
+        if let Err(e) = result {
+            let key = writes[written].0;
+            return Err(e).with_context(|| format!("frontend {}:{}", key.addr, u16::from_be(key.port)));
         }
 
         // Service CIDRs after the frontends, so an address that just became

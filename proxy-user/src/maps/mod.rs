@@ -16,6 +16,7 @@ use aya::{
 use ipnet::IpNet;
 use proxy_common::*;
 
+mod batch;
 mod writer;
 
 pub use writer::{Contents, MapFull, MapWriter, full_map};

@@ -10,7 +10,7 @@ use aya::maps::{MapError, lpm_trie::Key};
 use ipnet::IpNet;
 use proxy_common::*;
 
-use super::{Maps, lpm_prefix};
+use super::{Maps, batch, lpm_prefix};
 use crate::capacity::{Entries, ServiceMap};
 
 /// What the maps hold (or, for the reconciler, what it has written).
@@ -51,6 +51,28 @@ pub trait MapWriter {
     /// otherwise still write an entry naming a removed backend after the
     /// scan went past it.
     fn purge_affinity(&mut self, settle: bool, stale: &mut dyn FnMut(&AffinityKey, &AffinityEntry) -> bool) -> Result<usize>;
+
+    // Many writes to one map, in order: how many were written, and the
+    // error that stopped the rest. The maps do them in few kernel calls.
+    fn put_backends(&mut self, entries: &[(u32, Backend)]) -> (usize, Result<()>) {
+        each(entries, |(id, backend)| self.put_backend(*id, backend))
+    }
+    fn put_slots(&mut self, entries: &[(SlotKey, u32)]) -> (usize, Result<()>) {
+        each(entries, |(key, backend_id)| self.put_slot(key, *backend_id))
+    }
+    fn put_frontends(&mut self, entries: &[(FrontendKey, ServiceEntry)]) -> (usize, Result<()>) {
+        each(entries, |(key, entry)| self.put_frontend(key, entry))
+    }
+}
+
+/// `write` on each entry until one fails: how many succeeded, and the error.
+fn each<T>(entries: &[T], mut write: impl FnMut(&T) -> Result<()>) -> (usize, Result<()>) {
+    for (done, entry) in entries.iter().enumerate() {
+        if let Err(e) = write(entry) {
+            return (done, Err(e));
+        }
+    }
+    (entries.len(), Ok(()))
 }
 
 impl MapWriter for Contents {
@@ -110,6 +132,18 @@ impl MapWriter for Contents {
 }
 
 impl MapWriter for Maps {
+    fn put_backends(&mut self, entries: &[(u32, Backend)]) -> (usize, Result<()>) {
+        let (done, result) = batch::insert_all(&mut self.backends, entries);
+        (done, in_service_map(ServiceMap::Backends, self.service_capacity, result))
+    }
+    fn put_slots(&mut self, entries: &[(SlotKey, u32)]) -> (usize, Result<()>) {
+        let (done, result) = batch::insert_all(&mut self.slots, entries);
+        (done, in_service_map(ServiceMap::Slots, self.service_capacity, result))
+    }
+    fn put_frontends(&mut self, entries: &[(FrontendKey, ServiceEntry)]) -> (usize, Result<()>) {
+        let (done, result) = batch::insert_all(&mut self.frontends, entries);
+        (done, in_service_map(ServiceMap::Frontends, self.service_capacity, result))
+    }
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<()> {
         in_service_map(ServiceMap::Backends, self.service_capacity, self.backends.insert(&id, backend, 0))
     }
