@@ -166,7 +166,7 @@ fn run_kernel(
     let out = &result.out;
     let _ = fs::remove_dir_all(out);
     fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    fs::write(out.join("run.sh"), suite::vm_env(accel) + script)?;
+    fs::write(out.join("run.sh"), suite::vm_env(accel, &series) + script)?;
     let initrd = out.join("initrd.cpio");
     initrd::assemble(rootfs, &kernel.modules_cpio, &initrd)?;
 
