@@ -42,7 +42,7 @@ const ICMP6_PORT_UNREACH: u8 = 4;
 const IPPROTO_ICMPV6: u8 = 58;
 
 /// Rewrites the packet into the reject; the caller redirects it. Only a packet without extension headers gets here
-/// (parse6 leaves the others alone). Everything is loaded straight into the
+/// (parse leaves the others alone). Everything is loaded straight into the
 /// per-CPU scratch frame: the lookup path leaves little of the 512-byte
 /// stack, and an IPv6 header is 40 bytes.
 #[inline(always)]
