@@ -35,8 +35,6 @@ mod reject;
 #[cfg(target_arch = "bpf")]
 mod route;
 #[cfg(target_arch = "bpf")]
-mod reject6;
-#[cfg(target_arch = "bpf")]
 mod sctp;
 #[cfg(target_arch = "bpf")]
 mod skb;
@@ -71,7 +69,7 @@ mod program {
         lb::{self, Miss},
         icmp,
         maps::{FRAGMENT_PROGRAMS, ICMP_PROGRAMS, IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, REJECT_BUDGETS, REJECT_PROGRAMS, count},
-        masquerade, nat, packet, parse, reject, reject6, route, skb, sock, trace,
+        masquerade, nat, packet, parse, reject, route, skb, sock, trace,
     };
 
     /// Leaves the packet to whatever runs next (TCX_NEXT / TC_ACT_UNSPEC).
@@ -840,7 +838,7 @@ mod program {
 
     #[inline(always)]
     fn send_reject<const TRACE: bool, F: Family>(ctx: &TcContext, pkt: &packet::Packet, node: bool) -> i32 {
-        let rejected = if F::V6 { reject6::reject(ctx, pkt) } else { reject::reject(ctx, pkt) };
+        let rejected = reject::reject::<F>(ctx, pkt);
         match rejected {
             Ok(()) => {
                 note::<TRACE>(Counter::Rejected);
