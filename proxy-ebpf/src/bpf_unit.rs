@@ -37,11 +37,9 @@ mod packet;
 #[cfg(target_arch = "bpf")]
 mod parse;
 #[cfg(target_arch = "bpf")]
-mod parse6;
 #[cfg(target_arch = "bpf")]
 mod reject;
 #[cfg(target_arch = "bpf")]
-mod reject6;
 #[cfg(target_arch = "bpf")]
 mod sctp;
 #[cfg(target_arch = "bpf")]

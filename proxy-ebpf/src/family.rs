@@ -4,12 +4,14 @@
 //! or `V6`: what differs between the families is chosen at compile time,
 //! and each step is written once for both.
 
-use crate::headers::{IPV4_DST_OFF, IPV4_SRC_OFF, IPV6_DST_OFF, IPV6_SRC_OFF};
+use crate::headers::{ETH_P_IP, ETH_P_IPV6, IPV4_DST_OFF, IPV4_SRC_OFF, IPV6_DST_OFF, IPV6_SRC_OFF};
 
 pub trait Family {
     /// IPv6: the header has no checksum, and the headers are read with
     /// helpers rather than pulled into the linear data.
     const V6: bool;
+    /// The Ethernet type of the family's packets.
+    const ETHERTYPE: u16;
     /// Offsets of the source and destination addresses in the IP header.
     const SRC_OFF: usize;
     const DST_OFF: usize;
@@ -23,6 +25,7 @@ pub struct V6;
 
 impl Family for V4 {
     const V6: bool = false;
+    const ETHERTYPE: u16 = ETH_P_IP;
     const SRC_OFF: usize = IPV4_SRC_OFF;
     const DST_OFF: usize = IPV4_DST_OFF;
     const FIRST_WORD: usize = 3;
@@ -30,6 +33,7 @@ impl Family for V4 {
 
 impl Family for V6 {
     const V6: bool = true;
+    const ETHERTYPE: u16 = ETH_P_IPV6;
     const SRC_OFF: usize = IPV6_SRC_OFF;
     const DST_OFF: usize = IPV6_DST_OFF;
     const FIRST_WORD: usize = 0;

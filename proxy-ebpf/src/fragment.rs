@@ -58,21 +58,27 @@ pub fn key_v6(ctx: &impl PacketContext, l3_off: usize, id: u32, proto: u8) -> Op
 }
 
 /// A UDP datagram's first fragment (`Packet::fragment` FIRST, as `parse`
-/// and `parse6` let it through): its ports, for the fragments that follow.
+/// lets it through): its ports, for the fragments that follow.
 /// Called by the programs that follow fragments (ingress, egress, IPv6
 /// masquerade), not by `parse`, which every program inlines.
 #[inline(always)]
 pub fn remember_first<F: Family>(ctx: &impl PacketContext, pkt: &Packet) {
-    // IPv4: the header's ID; IPv6: the Fragment header's, after the fixed one.
-    let id = if F::V6 {
-        ctx.load::<u32>(pkt.l3_off + IPV6_HLEN + 4).map(u32::from_be)
-    } else {
-        ctx.load::<u16>(pkt.l3_off + 4).map(|id| u16::from_be(id) as u32)
-    };
-    let Ok(id) = id else { return };
+    let Some(id) = datagram_id::<F>(ctx, pkt.l3_off) else { return };
     if let Some(key) = key(&pkt.tuple.src, &pkt.tuple.dst, id, pkt.proto) {
         remember(key, pkt.tuple.sport, pkt.tuple.dport);
     }
+}
+
+/// The datagram's ID, of the IP header at `l3_off`: IPv4's own; IPv6's in
+/// the Fragment header, right after the fixed one (`parse` takes no other).
+#[inline(always)]
+pub fn datagram_id<F: Family>(ctx: &impl PacketContext, l3_off: usize) -> Option<u32> {
+    let id = if F::V6 {
+        ctx.load::<u32>(l3_off + IPV6_HLEN + 4).map(u32::from_be)
+    } else {
+        ctx.load::<u16>(l3_off + 4).map(|id| u16::from_be(id) as u32)
+    };
+    id.ok()
 }
 
 #[inline(always)]

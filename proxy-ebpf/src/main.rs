@@ -31,13 +31,9 @@ mod packet;
 #[cfg(target_arch = "bpf")]
 mod parse;
 #[cfg(target_arch = "bpf")]
-mod parse6;
-#[cfg(target_arch = "bpf")]
 mod reject;
 #[cfg(target_arch = "bpf")]
 mod route;
-#[cfg(target_arch = "bpf")]
-mod reject6;
 #[cfg(target_arch = "bpf")]
 mod sctp;
 #[cfg(target_arch = "bpf")]
@@ -73,7 +69,7 @@ mod program {
         lb::{self, Miss},
         icmp,
         maps::{FRAGMENT_PROGRAMS, ICMP_PROGRAMS, IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, REJECT_BUDGETS, REJECT_PROGRAMS, count},
-        masquerade, nat, packet, parse, parse6, reject, reject6, route, skb, sock, trace,
+        masquerade, nat, packet, parse, reject, route, skb, sock, trace,
     };
 
     /// Leaves the packet to whatever runs next (TCX_NEXT / TC_ACT_UNSPEC).
@@ -137,7 +133,7 @@ mod program {
 
     #[inline(always)]
     fn later_fragment_in<F: Family>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<F, true>(ctx);
+        let parsed = parse::parse_fragment::<F>(ctx);
         let pkt = match parsed {
             Ok(pkt) => pkt,
             Err(reason) => {
@@ -165,7 +161,7 @@ mod program {
 
     #[inline(always)]
     fn ingress<const TRACE: bool, F: Family>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<F, false>(ctx);
+        let parsed = parse::parse::<F>(ctx);
         let pkt = match parsed {
             Ok(pkt) => pkt,
             Err(reason) => {
@@ -352,18 +348,6 @@ mod program {
         verdict::<TRACE>(nat::rewrite_dst::<F>(ctx, pkt, &backend.addr, backend.port), Counter::NewFlow)
     }
 
-    /// The packet, by the parser of the family the program was built for
-    /// (`FRAGMENTS`: the one that follows IP fragments).
-    #[inline(always)]
-    fn parse_family<F: Family, const FRAGMENTS: bool>(ctx: &TcContext) -> Result<packet::Packet, Counter> {
-        match (F::V6, FRAGMENTS) {
-            (false, false) => parse::parse(ctx),
-            (false, true) => parse::parse_fragment(ctx),
-            (true, false) => parse6::parse(ctx),
-            (true, true) => parse6::parse_fragment(ctx),
-        }
-    }
-
     /// Counts, or in a trace notes the counter in the result.
     #[inline(always)]
     fn note<const TRACE: bool>(counter: Counter) {
@@ -441,7 +425,7 @@ mod program {
     /// reverse-NAT path in the same frame the stack would pass 512 bytes.
     #[classifier]
     pub fn tc_masquerade6(ctx: TcContext) -> i32 {
-        let pkt = match parse6::parse_in_place(&ctx) {
+        let pkt = match parse::parse_in_place::<V6>(&ctx) {
             Ok(pkt) => pkt,
             Err(Counter::Fragment) => {
                 // tc_egress_fragment6, which starts over: with the mark.
@@ -487,7 +471,7 @@ mod program {
             return NOT_OURS;
         }
         ctx.set_mark(mark & !(MASQUERADE_MARK | REVERSE_NAT_MARK));
-        let parsed = parse_family::<F, true>(ctx);
+        let parsed = parse::parse_fragment::<F>(ctx);
         let Ok(pkt) = parsed else { return NOT_OURS };
         let source = if mark & MASQUERADE_MARK != 0 {
             conntrack::snat_choice(&pkt.tuple).map(|e| e.addr)
@@ -537,7 +521,7 @@ mod program {
             count(Counter::SnatFailed);
             return NOT_OURS;
         }
-        let parsed = parse_family::<F, false>(ctx);
+        let parsed = parse::parse::<F>(ctx);
         let pkt = match parsed {
             Ok(pkt) => pkt,
             Err(Counter::Fragment) => {
@@ -589,7 +573,7 @@ mod program {
 
     #[inline(always)]
     fn node_reply<F: Family>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<F, false>(ctx);
+        let parsed = parse::parse::<F>(ctx);
         let Ok(pkt) = parsed else { return NOT_OURS };
         let Some(ct) = conntrack::lookup(&pkt.tuple).filter(|ct| ct.direction == CT_REPLY && ct.flags & CT_NODE != 0) else {
             return NOT_OURS;
@@ -667,7 +651,7 @@ mod program {
     /// as a martian (kube-proxy sets route_localnet for that; we don't).
     #[inline(always)]
     fn node_to_service<F: Family>(ctx: &TcContext) -> Option<i32> {
-        let parsed = parse_family::<F, false>(ctx);
+        let parsed = parse::parse::<F>(ctx);
         let pkt = parsed.ok()?;
         if is_loopback::<F>(&pkt.tuple.src) {
             return None;
@@ -730,7 +714,7 @@ mod program {
 
     #[inline(always)]
     fn node_flow<F: Family>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<F, false>(ctx);
+        let parsed = parse::parse::<F>(ctx);
         let Ok(pkt) = parsed else { return NOT_OURS };
         if pkt.proto != IPPROTO_TCP {
             return NOT_OURS;
@@ -826,7 +810,7 @@ mod program {
 
     #[inline(always)]
     fn limited_reject<F: Family>(ctx: &TcContext) -> i32 {
-        let parsed = parse_family::<F, false>(ctx);
+        let parsed = parse::parse::<F>(ctx);
         let Ok(pkt) = parsed else {
             count(Counter::RejectFailed);
             return DROP;
@@ -854,7 +838,7 @@ mod program {
 
     #[inline(always)]
     fn send_reject<const TRACE: bool, F: Family>(ctx: &TcContext, pkt: &packet::Packet, node: bool) -> i32 {
-        let rejected = if F::V6 { reject6::reject(ctx, pkt) } else { reject::reject(ctx, pkt) };
+        let rejected = reject::reject::<F>(ctx, pkt);
         match rejected {
             Ok(()) => {
                 note::<TRACE>(Counter::Rejected);

@@ -1,6 +1,6 @@
 //! The maps, pinned by name under the agent's `--bpffs-root` so they outlive
 //! the agent and a restart adopts them. (The per-CPU scratch maps a module
-//! builds in live with it: `conntrack`, `reject`, `reject6`.)
+//! builds in live with it: `conntrack`, `reject`.)
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,

@@ -10,7 +10,8 @@
 //! headers into the linear data, so the address, its header checksum and
 //! the port are written straight into the packet (direct packet access):
 //! two helper calls for a full rewrite instead of five. IPv6 has no header
-//! checksum, and `parse6` reads with helpers, so it writes with them too.
+//! checksum, and `parse` reads its headers with helpers, so it writes with them
+//! too.
 
 use aya_ebpf::bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR};
 use proxy_common::{Addr, IPPROTO_SCTP, IPPROTO_UDP, csum};

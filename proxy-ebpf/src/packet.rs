@@ -1,6 +1,5 @@
 //! A parsed packet: its tuple, where its headers are, and what its TCP flags
-//! say about the connection. Written by `parse` and `parse6`, read by every
-//! step after them.
+//! say about the connection. Written by `parse`, read by every step after it.
 
 use proxy_common::{CtKey, IPPROTO_TCP, IPPROTO_UDP};
 

@@ -17,7 +17,7 @@ use aya_ebpf::{
 };
 use proxy_common::unit::{UnitReport, UnitSetup};
 
-use crate::{family::Family, packet::Packet, parse, parse6};
+use crate::{family::Family, packet::Packet, parse};
 
 #[map]
 static UNIT_SETUP: Array<UnitSetup> = Array::with_max_entries(1, 0);
@@ -32,7 +32,7 @@ pub const NOT_RUN: i32 = TC_ACT_SHOT as i32;
 /// packet does not parse.
 #[inline(always)]
 pub fn start<F: Family>(ctx: &TcContext) -> Option<(Packet, &'static UnitSetup, &'static mut UnitReport)> {
-    let pkt = if F::V6 { parse6::parse(ctx) } else { parse::parse(ctx) }.ok()?;
+    let pkt = parse::parse::<F>(ctx).ok()?;
     let setup = UNIT_SETUP.get(0)?;
     let report = unsafe { &mut *UNIT_REPORT.get_ptr_mut(0)? };
     Some((pkt, setup, report))

@@ -1,4 +1,4 @@
-//! REJECT's reply, built from the packet by `reject` (IPv4) or `reject6`:
+//! REJECT's reply, built from the packet by `reject` (either family):
 //! OK with the reply frame (which the datapath then redirects back out),
 //! SHOT if it could not be built.
 
@@ -11,7 +11,7 @@ use aya_ebpf::{
 use super::{NOT_RUN, start};
 use crate::{
     family::{V4, V6},
-    reject, reject6, skb,
+    reject, skb,
 };
 
 #[classifier]
@@ -19,7 +19,7 @@ pub fn unit_reject(ctx: TcContext) -> i32 {
     let v6 = skb::is_ipv6(&ctx);
     let started = if v6 { start::<V6>(&ctx) } else { start::<V4>(&ctx) };
     let Some((pkt, _, report)) = started else { return NOT_RUN };
-    let built = if v6 { reject6::reject(&ctx, &pkt) } else { reject::reject(&ctx, &pkt) };
+    let built = if v6 { reject::reject::<V6>(&ctx, &pkt) } else { reject::reject::<V4>(&ctx, &pkt) };
     // Only Ok or Err: `reject` is a subprogram, and a BPF call returns one
     // register, the discriminant (the verifier refuses a read of the error).
     report.rc = if built.is_ok() { 0 } else { -1 };
