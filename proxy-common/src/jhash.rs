@@ -3,8 +3,9 @@
 //! rotations, no table and no loop once the word count is a constant, so the
 //! BPF programs and the agent compute the very same value.
 
+/// lookup3's `mix`.
 #[inline(always)]
-fn mix(a: &mut u32, b: &mut u32, c: &mut u32) {
+pub fn mix(a: &mut u32, b: &mut u32, c: &mut u32) {
     *a = a.wrapping_sub(*c);
     *a ^= c.rotate_left(4);
     *c = c.wrapping_add(*b);
@@ -25,8 +26,9 @@ fn mix(a: &mut u32, b: &mut u32, c: &mut u32) {
     *b = b.wrapping_add(*a);
 }
 
+/// lookup3's `final`.
 #[inline(always)]
-fn finish(a: &mut u32, b: &mut u32, c: &mut u32) {
+pub fn finish(a: &mut u32, b: &mut u32, c: &mut u32) {
     *c ^= *b;
     *c = c.wrapping_sub(b.rotate_left(14));
     *a ^= *c;
@@ -43,10 +45,16 @@ fn finish(a: &mut u32, b: &mut u32, c: &mut u32) {
     *c = c.wrapping_sub(b.rotate_left(24));
 }
 
+/// lookup3's initial state for `words` words.
+#[inline(always)]
+pub const fn initial(words: u32, initval: u32) -> u32 {
+    0xdead_beef_u32.wrapping_add(words << 2).wrapping_add(initval)
+}
+
 /// lookup3's `hashword(k, N, initval)`, Linux's `jhash2`.
 #[inline(always)]
 pub fn jhash_words<const N: usize>(k: &[u32; N], initval: u32) -> u32 {
-    let mut a = 0xdead_beef_u32.wrapping_add((N as u32) << 2).wrapping_add(initval);
+    let mut a = initial(N as u32, initval);
     let (mut b, mut c) = (a, a);
     let mut i = 0;
     while N - i > 3 {

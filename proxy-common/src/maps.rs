@@ -207,7 +207,9 @@ pub struct Backend {
 /// A packet's tuple as it arrived. Conntrack holds two entries per flow: the
 /// original direction (client -> frontend) and the reply direction
 /// (backend -> client), so either packet finds its translation in one lookup.
-#[repr(C)]
+/// Aligned to 4 (the size is unchanged) so Maglev's flow hash reads the
+/// addresses a word at a time (`maglev::flow_hash`).
+#[repr(C, align(4))]
 #[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, Default)]
 pub struct CtKey {
     pub src: Addr,

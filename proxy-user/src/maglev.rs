@@ -38,7 +38,7 @@ impl MaglevParams {
     /// The cells of a table for `backends` (any order; duplicates count
     /// once), each holding the `T` of its backend: `size` cells, empty
     /// without backends.
-    pub fn cells<T: Copy>(&self, backends: &[(BackendTuple, T)]) -> Vec<T> {
+    pub fn cells<T: Clone>(&self, backends: &[(BackendTuple, T)]) -> Vec<T> {
         let mut members: Vec<&(BackendTuple, T)> = backends.iter().collect();
         // The canonical order the population takes turns in: by identity,
         // never by node-local IDs or map order.
@@ -46,7 +46,7 @@ impl MaglevParams {
         members.dedup_by(|a, b| a.0 == b.0);
         populate(&members.iter().map(|m| m.0).collect::<Vec<_>>(), self.seed, self.size)
             .into_iter()
-            .map(|i| members[i].1)
+            .map(|i| members[i].1.clone())
             .collect()
     }
 
@@ -104,6 +104,12 @@ fn populate(backends: &[BackendTuple], seed: u32, size: u32) -> Vec<usize> {
     }
 }
 
+/// `--maglev-table-size`, checked as the command line is read.
+pub fn parse_table_size(s: &str) -> Result<u32, String> {
+    let size: u32 = s.trim().parse().map_err(|_| format!("{s:?}: not a number"))?;
+    MaglevParams::new(0, size).map(|p| p.size).map_err(|e| e.to_string())
+}
+
 /// `--maglev-seed`: decimal, or hexadecimal with `0x`.
 pub fn parse_seed(s: &str) -> Result<u32, String> {
     let s = s.trim();
@@ -149,6 +155,9 @@ mod tests {
         let e = MaglevParams::new(0, 1000).unwrap_err().to_string();
         assert!(e.contains("1000") && e.contains("not a prime"), "{e}");
         assert!(MaglevParams::new(0, 0).is_err() && MaglevParams::new(0, 1).is_err());
+        assert_eq!(parse_table_size("4093"), Ok(4093));
+        assert!(parse_table_size("4095").unwrap_err().contains("not a prime"));
+        assert!(parse_table_size("65537").unwrap_err().contains("larger than 16381"));
     }
 
     #[test]
