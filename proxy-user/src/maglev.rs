@@ -26,13 +26,10 @@ impl Default for MaglevParams {
 
 impl MaglevParams {
     pub fn new(seed: u32, size: u32) -> Result<Self> {
-        if size > MAGLEV_TABLE_MAX {
-            bail!("--maglev-table-size {size}: larger than {MAGLEV_TABLE_MAX}, the most a table in the MAGLEV map holds");
+        match check_size(size) {
+            Ok(()) => Ok(MaglevParams { seed, size }),
+            Err(why) => bail!("--maglev-table-size {size}: {why}"),
         }
-        if !maglev::is_prime(size) {
-            bail!("--maglev-table-size {size}: not a prime (Maglev needs a prime table size, e.g. 251, 1021, 4093, 16381)");
-        }
-        Ok(MaglevParams { seed, size })
     }
 
     /// The cells of a table for `backends` (any order; duplicates count
@@ -104,10 +101,21 @@ fn populate(backends: &[BackendTuple], seed: u32, size: u32) -> Vec<usize> {
     }
 }
 
+/// Why `size` cannot be M, if it cannot.
+fn check_size(size: u32) -> Result<(), String> {
+    if size > MAGLEV_TABLE_MAX {
+        return Err(format!("larger than {MAGLEV_TABLE_MAX}, the most a table in the MAGLEV map holds"));
+    }
+    if !maglev::is_prime(size) {
+        return Err("not a prime (Maglev needs a prime table size, e.g. 251, 1021, 4093, 16381)".into());
+    }
+    Ok(())
+}
+
 /// `--maglev-table-size`, checked as the command line is read.
 pub fn parse_table_size(s: &str) -> Result<u32, String> {
-    let size: u32 = s.trim().parse().map_err(|_| format!("{s:?}: not a number"))?;
-    MaglevParams::new(0, size).map(|p| p.size).map_err(|e| e.to_string())
+    let size: u32 = s.trim().parse().map_err(|_| "not a number".to_string())?;
+    check_size(size).map(|()| size)
 }
 
 /// `--maglev-seed`: decimal, or hexadecimal with `0x`.

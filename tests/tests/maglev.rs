@@ -187,6 +187,14 @@ fn two_nodes_pick_alike_and_keep_flows_when_a_backend_goes() -> Result<()> {
     let web = |ids: &BTreeMap<String, u64>| all.iter().map(|ip| ids[&format!("{ip}:{TARGET_PORT}")]).collect::<Vec<_>>();
     assert_ne!(web(&ids_a), web(&ids_b), "the test needs the nodes to number the backends differently");
 
+    // `dump services` names the algorithm of the Service's frontends.
+    for n in [&a, &b] {
+        let rows = dump_json("services", &n.root)?;
+        let algorithms: Vec<&serde_json::Value> =
+            rows.as_array().into_iter().flatten().filter(|r| r["frontend"] == FRONTEND).map(|r| &r["algorithm"]).collect();
+        assert_eq!(algorithms, ["maglev", "maglev"], "both scopes of {FRONTEND}");
+    }
+
     let before = picks(&a, &b, &all)?;
     let used: std::collections::BTreeSet<&String> = before.values().collect();
     assert!(used.len() >= 4, "48 flows over 5 backends used only {used:?}");
