@@ -7,6 +7,8 @@ pub mod addr;
 pub mod crc32c;
 pub mod counter;
 pub mod csum;
+pub mod jhash;
+pub mod maglev;
 pub mod maps;
 pub mod reject_limit;
 pub mod tcp;
@@ -14,4 +16,5 @@ pub mod unit;
 
 pub use addr::Addr;
 pub use counter::{Counter, Verdict};
+pub use maglev::*;
 pub use maps::*;

@@ -154,6 +154,9 @@ pub const SVC_SOURCE_RANGES: u8 = 1 << 1;
 /// No backend here but the service has endpoints elsewhere (a Local traffic
 /// policy with no local endpoint): kube-proxy drops rather than rejects.
 pub const SVC_DROP_IF_EMPTY: u8 = 1 << 2;
+/// New flows pick their backend from the service's Maglev table (`MAGLEV`,
+/// by a hash of the 5-tuple) rather than a random slot.
+pub const SVC_MAGLEV: u8 = 1 << 3;
 
 /// A frontend key with port 0 and protocol 0 marks an address as a ClusterIP
 /// in use: packets to a port it does not serve are rejected.
@@ -204,7 +207,9 @@ pub struct Backend {
 /// A packet's tuple as it arrived. Conntrack holds two entries per flow: the
 /// original direction (client -> frontend) and the reply direction
 /// (backend -> client), so either packet finds its translation in one lookup.
-#[repr(C)]
+/// Aligned to 4 (the size is unchanged) so Maglev's flow hash reads the
+/// addresses a word at a time (`maglev::flow_hash`).
+#[repr(C, align(4))]
 #[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, Default)]
 pub struct CtKey {
     pub src: Addr,
@@ -399,9 +404,12 @@ pub struct TraceReport {
     pub backend_id: u32,
     /// The source scope (SCOPE_*), or TRACE_FROM_CONNTRACK for a tracked flow.
     pub how: u32,
+    /// The Maglev table cell the backend came from, or TRACE_NO_MAGLEV_CELL.
+    pub maglev_cell: u32,
 }
 
 pub const TRACE_FROM_CONNTRACK: u32 = 0x100;
+pub const TRACE_NO_MAGLEV_CELL: u32 = u32::MAX;
 pub const MAP_TRACE_REPORT: &str = "TRACE_REPORT";
 
 /// Slots of the IPv6 program array: which IPv6 program each IPv4 program
@@ -505,6 +513,7 @@ mod pod {
     unsafe impl aya::Pod for ServiceName {}
     unsafe impl aya::Pod for Addr {}
     unsafe impl aya::Pod for TraceReport {}
+    unsafe impl aya::Pod for crate::MaglevTable {}
     unsafe impl aya::Pod for SockRevKey {}
     unsafe impl aya::Pod for SnatEntry {}
     unsafe impl aya::Pod for CidrData {}

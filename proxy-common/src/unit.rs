@@ -63,6 +63,9 @@ pub struct UnitReport {
     /// The backend chosen.
     pub backend: Backend,
     pub backend_id: u32,
+    /// lb::choose_backend: the Maglev cell it read, or TRACE_NO_MAGLEV_CELL.
+    pub maglev_cell: u32,
+    pub _pad_end: u32,
 }
 
 #[cfg(test)]
@@ -74,6 +77,6 @@ mod tests {
     fn layouts_have_no_hidden_padding() {
         // Both sides copy them byte for byte (aya's Pod): every byte is a field.
         assert_eq!(size_of::<UnitSetup>(), 16 + 20 + 4 + 4);
-        assert_eq!(size_of::<UnitReport>(), 8 + 8 + 72 + 16 + 20 + 4);
+        assert_eq!(size_of::<UnitReport>(), 8 + 8 + 72 + 16 + 20 + 4 + 8);
     }
 }

@@ -3,17 +3,26 @@
 //! decided by the agent; here the packet's source only picks the scope.
 
 use aya_ebpf::{
+    Global,
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
     maps::lpm_trie::Key,
 };
 use proxy_common::{
-    Addr, AffinityEntry, AffinityKey, Backend, CidrData, CtEntry, CtKey, FrontendKey, SCOPE_EXTERNAL,
-    SCOPE_INTERNAL, ServiceEntry, SlotKey, SourceRangeData, cluster_ip_marker,
+    Addr, AffinityEntry, AffinityKey, Backend, CidrData, CtEntry, CtKey, DEFAULT_MAGLEV_TABLE_SIZE, FrontendKey,
+    MAGLEV_TABLE_MAX, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_MAGLEV, ServiceEntry, SlotKey, SourceRangeData,
+    TRACE_NO_MAGLEV_CELL, cluster_ip_marker, maglev,
 };
 
 use crate::maps::{
-    AFFINITY, BACKEND_SLOTS, BACKENDS, BACKENDS_EPOCH, CLUSTER_CIDRS, FRONTENDS, SERVICE_CIDRS, SOURCE_RANGES,
+    AFFINITY, BACKEND_SLOTS, BACKENDS, BACKENDS_EPOCH, CLUSTER_CIDRS, FRONTENDS, MAGLEV, SERVICE_CIDRS, SOURCE_RANGES,
 };
+
+/// Set by the agent at load (`--maglev-seed`, `--maglev-table-size`): the
+/// same on every node, so every node picks the same cell for a flow.
+#[unsafe(no_mangle)]
+static MAGLEV_SEED: Global<u32> = Global::new(0);
+#[unsafe(no_mangle)]
+static MAGLEV_TABLE_SIZE: Global<u32> = Global::new(DEFAULT_MAGLEV_TABLE_SIZE);
 
 const FULL_PREFIX: u32 = 128;
 
@@ -74,37 +83,73 @@ pub fn source_allowed(service: &ServiceEntry, src: &Addr) -> bool {
     SOURCE_RANGES.get(&key).is_some()
 }
 
-/// The client's sticky backend if it is recent and still exists, else a
-/// random slot of the service's backend set (remembered for affinity unless
-/// `remember` is false: a trace must not change state). Existing is enough:
-/// the agent deletes every entry whose backend left its service's set, and
-/// reuses a freed ID only after that (reconciler.rs, `purge_affinity`).
+/// A new flow's backend.
+pub struct Choice {
+    pub backend_id: u32,
+    pub backend: Backend,
+    /// It came from the client's affinity entry.
+    pub sticky: bool,
+    /// The Maglev cell it came from, or TRACE_NO_MAGLEV_CELL.
+    pub maglev_cell: u32,
+}
+
+/// The client's sticky backend if it is recent and still exists, else the
+/// flow's cell of the service's Maglev table (SVC_MAGLEV) or a random slot
+/// of its backend set, remembered for affinity unless `remember_choice` is
+/// false (a trace must not change state). Existing is enough: the agent
+/// deletes every entry whose backend left its service's set, and reuses a
+/// freed ID only after that (reconciler.rs, `purge_affinity`). `flow` is
+/// the packet's tuple (its source is the affinity client); the socket
+/// hooks pass one of their own (sock.rs).
 #[inline(always)]
-pub fn choose_backend(service: &ServiceEntry, client: &Addr, remember_choice: bool) -> Option<(u32, Backend, bool)> {
+pub fn choose_backend(service: &ServiceEntry, flow: &CtKey, remember_choice: bool) -> Option<Choice> {
     if service.backend_count == 0 {
         return None;
     }
     let now = unsafe { bpf_ktime_get_ns() };
-    let affinity = AffinityKey { service_id: service.service_id, client: *client };
+    let affinity = AffinityKey { service_id: service.service_id, client: flow.src };
     if service.affinity_timeout_s != 0 {
         if let Some(stuck) = unsafe { AFFINITY.get(&affinity) } {
             let fresh = now.saturating_sub(stuck.last_seen_ns) < service.affinity_timeout_s as u64 * 1_000_000_000;
             if fresh && let Some(backend) = unsafe { BACKENDS.get(&stuck.backend_id) } {
-                let found = (stuck.backend_id, *backend, true);
+                let found = Choice { backend_id: stuck.backend_id, backend: *backend, sticky: true, maglev_cell: TRACE_NO_MAGLEV_CELL };
                 if remember_choice {
-                    remember(&affinity, found.0, now);
+                    remember(&affinity, found.backend_id, now);
                 }
                 return Some(found);
             }
         }
     }
-    let slot = unsafe { bpf_get_prandom_u32() } % service.backend_count;
-    let backend_id = *unsafe { BACKEND_SLOTS.get(&SlotKey { service_id: service.service_id, slot }) }?;
+    let (backend_id, maglev_cell) = if service.flags & SVC_MAGLEV != 0 {
+        maglev_backend(service, flow)?
+    } else {
+        let slot = unsafe { bpf_get_prandom_u32() } % service.backend_count;
+        (*unsafe { BACKEND_SLOTS.get(&SlotKey { service_id: service.service_id, slot }) }?, TRACE_NO_MAGLEV_CELL)
+    };
     let backend = *unsafe { BACKENDS.get(&backend_id) }?;
     if service.affinity_timeout_s != 0 && remember_choice {
         remember(&affinity, backend_id, now);
     }
-    Some((backend_id, backend, false))
+    Some(Choice { backend_id, backend, sticky: false, maglev_cell })
+}
+
+/// Maglev: cell `flow_hash % M` of the service's table, and the backend ID
+/// it holds. With ClientIP affinity the source port leaves the hash (as
+/// Cilium does), so all of a client's connections share a cell. No loop:
+/// one hash, one map lookup, one bounded read.
+#[inline(always)]
+fn maglev_backend(service: &ServiceEntry, flow: &CtKey) -> Option<(u32, u32)> {
+    let sport = if service.affinity_timeout_s != 0 { 0 } else { flow.sport };
+    let hash = maglev::flow_hash(flow, sport, MAGLEV_SEED.load());
+    let cell = maglev::cell_of(hash, MAGLEV_TABLE_SIZE.load())?;
+    // The size is a global the verifier cannot bound: this check is what
+    // keeps the read inside the 64 KiB value.
+    if cell >= MAGLEV_TABLE_MAX {
+        return None;
+    }
+    let table = MAGLEV.get_ptr(&service.service_id)?;
+    let backend_id = *unsafe { (*table).cells.get(cell as usize) }?;
+    Some((backend_id, cell))
 }
 
 #[inline(always)]

@@ -311,7 +311,7 @@ mod program {
             return DROP;
         }
         let epoch = lb::backends_epoch();
-        let Some((backend_id, backend, sticky)) = lb::choose_backend(&service, &pkt.tuple.src, !TRACE) else {
+        let Some(lb::Choice { backend_id, backend, sticky, maglev_cell }) = lb::choose_backend(&service, &pkt.tuple, !TRACE) else {
             if service.flags & SVC_DROP_IF_EMPTY != 0 {
                 note::<TRACE>(Counter::DropNoLocal);
                 return DROP;
@@ -326,6 +326,7 @@ mod program {
         // node as the source, or its reply would skip the reverse NAT.
         let masquerade = NODE || service.flags & SVC_MASQUERADE != 0 || backend.addr == pkt.tuple.src;
         trace::record::<TRACE>(service.service_id, backend_id, scope as u32);
+        trace::record_maglev_cell::<TRACE>(maglev_cell);
         if !TRACE {
             let mut ct_flags = if masquerade { CT_MASQUERADE } else { 0 };
             if NODE {

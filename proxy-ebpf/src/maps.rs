@@ -20,6 +20,17 @@ pub static BACKEND_SLOTS: HashMap<SlotKey, u32> =
 #[map]
 pub static BACKENDS: HashMap<u32, Backend> = HashMap::pinned(MAX_BACKENDS, BPF_F_NO_PREALLOC);
 
+/// Maglev services' tables (service ID -> backend IDs, see lb::maglev_backend),
+/// each written whole by the agent. Not preallocated: only Maglev services
+/// take memory (64 KiB each).
+#[map]
+pub static MAGLEV: HashMap<u32, MaglevTable> = HashMap::pinned(MAX_MAGLEV_TABLES, BPF_F_NO_PREALLOC);
+
+/// The seed and table size the agent loaded the programs with, for `trace`;
+/// the programs never read it (they have them as globals, lb.rs).
+#[map]
+pub static MAGLEV_SETTINGS: Array<u32> = Array::pinned(2, 0);
+
 /// Bumped by the agent after each backend removal (see lb::backend_still_matches).
 #[map]
 pub static BACKENDS_EPOCH: Array<u32> = Array::pinned(1, 0);

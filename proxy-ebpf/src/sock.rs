@@ -23,7 +23,10 @@ use aya_ebpf::{
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
     programs::SockAddrContext,
 };
-use proxy_common::{Addr, FrontendKey, HOST_NETNS_COOKIE, HOST_NETNS_PROBE, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SockRevKey};
+use proxy_common::{
+    Addr, CtKey, FrontendKey, HOST_NETNS_COOKIE, HOST_NETNS_PROBE, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, ServiceEntry,
+    SockRevKey,
+};
 
 use crate::{
     lb::{self, Miss},
@@ -130,7 +133,7 @@ pub fn translate(ctx: &SockAddrContext, family: Family) -> i32 {
     let proto = protocol(s);
     let addr = user_addr(s, family);
     let port = user_port(s);
-    let tuple = proxy_common::CtKey { src: Addr::default(), dst: addr, sport: 0, dport: port, proto, _pad: [0; 3] };
+    let tuple = CtKey { src: Addr::default(), dst: addr, sport: 0, dport: port, proto, _pad: [0; 3] };
     // The node counts as in-cluster: for externalTrafficPolicy=Local frontends
     // it reaches every endpoint, as kube-proxy sends local traffic.
     let service = match lb::lookup_frontend(&tuple, SCOPE_INTERNAL) {
@@ -139,8 +142,7 @@ pub fn translate(ctx: &SockAddrContext, family: Family) -> i32 {
         Err(Miss::Reject) => return refuse(),
         Err(Miss::DropUnallocated) => return FAIL,
     };
-    // Affinity by the node: every node process is one client.
-    let Some((_, backend, _)) = lb::choose_backend(&service, &Addr::default(), true) else {
+    let Some(lb::Choice { backend, .. }) = lb::choose_backend(&service, &flow(ctx, &service, &tuple), true) else {
         return if service.flags & SVC_DROP_IF_EMPTY != 0 { FAIL } else { refuse() };
     };
     let key = SockRevKey { cookie: cookie(ctx), addr: backend.addr, port: backend.port, proto, _pad: [0; 5] };
@@ -149,6 +151,25 @@ pub fn translate(ctx: &SockAddrContext, family: Family) -> i32 {
     set_user_addr(s, family, &backend.addr);
     s.user_port = backend.port as u32;
     PROCEED
+}
+
+/// The flow `lb::choose_backend` sees for a node socket. Before bind() a
+/// socket has no source address or port, so none is hashed: with ClientIP
+/// affinity the node is one client (the unspecified address, as its
+/// AFFINITY key), and Maglev hashes the frontend alone, so every node
+/// connection without a fresh entry gets the same cell; without affinity
+/// the socket's cookie stands for the source, so sockets spread over the
+/// table as they would at random, and an unconnected UDP socket's datagrams
+/// (a sendmsg each) all go to one backend.
+#[inline(always)]
+fn flow(ctx: &SockAddrContext, service: &ServiceEntry, tuple: &CtKey) -> CtKey {
+    let mut flow = *tuple;
+    if service.affinity_timeout_s == 0 {
+        let mut src = [0u8; 16];
+        src[8..].copy_from_slice(&cookie(ctx).to_be_bytes());
+        flow.src = Addr(src);
+    }
+    flow
 }
 
 /// getpeername / recvmsg: a backend's address is shown as the frontend's.

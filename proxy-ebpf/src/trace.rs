@@ -31,3 +31,12 @@ pub fn record<const TRACE: bool>(service_id: u32, backend_id: u32, how: u32) {
         }
     }
 }
+
+/// The Maglev cell a new flow's backend came from (TRACE_NO_MAGLEV_CELL:
+/// none, the backend came from a random slot or the client's affinity).
+#[inline(always)]
+pub fn record_maglev_cell<const TRACE: bool>(cell: u32) {
+    if TRACE && let Some(r) = report() {
+        unsafe { (*r).maglev_cell = cell };
+    }
+}

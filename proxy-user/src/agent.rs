@@ -23,6 +23,7 @@ use crate::{
     maps::{self, Maps},
     incremental::{self, Update},
     kernel,
+    maglev::MaglevParams,
     metrics::{self, Metrics},
     model::{self, ModelConfig, ObjectError},
     node_addrs::{self, NodeAddrs},
@@ -63,7 +64,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
         conntrack: ConntrackSize::from_flags(args.conntrack_max_per_core, args.conntrack_min, map_sizes::cpus())?,
         services: ServiceMapSize::from_flag(args.service_map_entries)?,
     };
-    let options = maps::LoadOptions { root: args.bpffs_root.clone(), ports: snat_ports.clone(), sizes, features };
+    let maglev = MaglevParams::new(args.maglev_seed, args.maglev_table_size)?;
+    let options = maps::LoadOptions { root: args.bpffs_root.clone(), ports: snat_ports.clone(), sizes, features, maglev };
     let (ebpf, mut maps) = maps::load_with(&options)?;
     let held = maps.read_contents().context("read pinned maps")?;
     info!(
@@ -73,9 +75,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
         masquerade_ports = ?snat_ports,
         conntrack = ?sizes.conntrack,
         service_map_entries = maps.service_capacity[crate::capacity::ServiceMap::Frontends as usize],
+        lb_algorithm = args.lb_algorithm.name(),
+        maglev_table_size = maglev.size,
         "dataplane loaded (pinned maps adopted)"
     );
-    let mut reconciler = Reconciler::adopt(held).within(maps.service_capacity);
+    let mut reconciler = Reconciler::adopt(held).within(maps.service_capacity).with_maglev(maglev);
 
     let health = Health::default();
     let mut health_checks = HealthCheckServers::new(health.clone());
@@ -87,6 +91,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         masquerade_all: args.masquerade_all,
         localhost_node_ports: args.localhost_nodeports,
         service_cidrs: args.service_cidr.clone(),
+        lb_algorithm: args.lb_algorithm,
         ..Default::default()
     };
     let mut syncer = Syncer {

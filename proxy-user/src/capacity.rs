@@ -19,8 +19,9 @@ use std::{collections::HashSet, fmt};
 
 use ipnet::IpNet;
 use proxy_common::{
-    FrontendKey, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_FRONTENDS, MAX_SERVICE_NAMES, MAX_SOURCE_RANGES, MAP_BACKEND_SLOTS,
-    MAP_BACKENDS, MAP_FRONTENDS, MAP_SERVICE_NAMES, MAP_SOURCE_RANGES, cluster_ip_marker,
+    FrontendKey, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_FRONTENDS, MAP_MAGLEV, MAP_SERVICE_NAMES, MAP_SOURCE_RANGES,
+    MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_FRONTENDS, MAX_MAGLEV_TABLES, MAX_SERVICE_NAMES, MAX_SOURCE_RANGES,
+    cluster_ip_marker,
 };
 
 use crate::model::{BackendSetKey, BackendTuple, Share};
@@ -38,11 +39,19 @@ pub enum ServiceMap {
     Backends,
     /// loadBalancerSourceRanges, per backend set.
     SourceRanges,
+    /// One Maglev table per Maglev backend set with backends.
+    Maglev,
 }
 
 impl ServiceMap {
-    pub const ALL: [ServiceMap; 5] =
-        [ServiceMap::Frontends, ServiceMap::Names, ServiceMap::Slots, ServiceMap::Backends, ServiceMap::SourceRanges];
+    pub const ALL: [ServiceMap; 6] = [
+        ServiceMap::Frontends,
+        ServiceMap::Names,
+        ServiceMap::Slots,
+        ServiceMap::Backends,
+        ServiceMap::SourceRanges,
+        ServiceMap::Maglev,
+    ];
 
     /// The pinned map's name.
     pub fn name(self) -> &'static str {
@@ -52,6 +61,7 @@ impl ServiceMap {
             ServiceMap::Slots => MAP_BACKEND_SLOTS,
             ServiceMap::Backends => MAP_BACKENDS,
             ServiceMap::SourceRanges => MAP_SOURCE_RANGES,
+            ServiceMap::Maglev => MAP_MAGLEV,
         }
     }
 
@@ -64,12 +74,13 @@ impl ServiceMap {
             ServiceMap::Slots => MAX_BACKEND_SLOTS,
             ServiceMap::Backends => MAX_BACKENDS,
             ServiceMap::SourceRanges => MAX_SOURCE_RANGES,
+            ServiceMap::Maglev => MAX_MAGLEV_TABLES,
         })
     }
 }
 
 /// A count per service map, indexed by `ServiceMap as usize`.
-pub type Entries = [u64; 5];
+pub type Entries = [u64; 6];
 
 /// What the service maps hold now (the reconciler's mirror of them).
 pub trait Held {
@@ -85,6 +96,8 @@ pub trait Held {
     /// How many slots the maps hold for a service ID.
     fn slots(&self, service_id: u32) -> u32;
     fn has_source_range(&self, service_id: u32, net: &IpNet) -> bool;
+    /// Whether the maps hold a Maglev table for a service ID.
+    fn has_maglev_table(&self, service_id: u32) -> bool;
 }
 
 /// Maps without limits, holding nothing: every Service is admitted.
@@ -95,7 +108,7 @@ impl Held for Unlimited {
         u64::MAX
     }
     fn entries(&self) -> Entries {
-        [0; 5]
+        [0; 6]
     }
     fn has_frontend(&self, _: &FrontendKey) -> bool {
         false
@@ -110,6 +123,9 @@ impl Held for Unlimited {
         0
     }
     fn has_source_range(&self, _: u32, _: &IpNet) -> bool {
+        false
+    }
+    fn has_maglev_table(&self, _: u32) -> bool {
         false
     }
 }
@@ -161,7 +177,7 @@ impl<'h, H: Held + ?Sized> Budget<'h, H> {
         if unlimited {
             return Ok(());
         }
-        let mut adds: Entries = [0; 5];
+        let mut adds: Entries = [0; 6];
         let markers = part.cluster_ips.iter().map(|ip| cluster_ip_marker((*ip).into()));
         let mut new_frontends: HashSet<FrontendKey> = HashSet::new();
         for key in part.frontends.iter().map(|(key, _)| *key).chain(markers) {
@@ -185,6 +201,9 @@ impl<'h, H: Held + ?Sized> Budget<'h, H> {
             let nets = part.source_ranges_of(set).into_iter().flatten();
             adds[ServiceMap::SourceRanges as usize] +=
                 nets.filter(|net| id.is_none_or(|id| !self.held.has_source_range(id, net))).count() as u64;
+            if part.wants_maglev_table(set) {
+                adds[ServiceMap::Maglev as usize] += u64::from(id.is_none_or(|id| !self.held.has_maglev_table(id)));
+            }
         }
         adds[ServiceMap::Backends as usize] = new_backends.len() as u64;
         for map in ServiceMap::ALL {
@@ -210,7 +229,8 @@ pub fn room_for_all<'p>(held: &(impl Held + ?Sized), parts: impl Iterator<Item =
     for part in parts {
         let slots: u64 = part.backend_sets.iter().map(|(_, b)| b.len() as u64).sum();
         let ranges: u64 = part.source_ranges.iter().map(|(_, r)| r.len() as u64).sum();
-        let adds = [(part.frontends.len() + part.cluster_ips.len()) as u64, part.backend_sets.len() as u64, slots, slots, ranges];
+        let tables = part.backend_sets.iter().filter(|(set, _)| part.wants_maglev_table(set)).count() as u64;
+        let adds = [(part.frontends.len() + part.cluster_ips.len()) as u64, part.backend_sets.len() as u64, slots, slots, ranges, tables];
         for (m, n) in most.iter_mut().zip(adds) {
             *m = m.saturating_add(n);
         }
@@ -230,6 +250,7 @@ fn own_entries(part: &Share, map: ServiceMap) -> u64 {
         ServiceMap::SourceRanges => {
             part.backend_sets.iter().filter_map(|(set, _)| part.source_ranges_of(set)).map(Vec::len).sum()
         }
+        ServiceMap::Maglev => part.backend_sets.iter().filter(|(set, _)| part.wants_maglev_table(set)).count(),
     };
     n as u64
 }
@@ -252,6 +273,7 @@ mod tests {
         /// set name -> (id, slots)
         sets: HashMap<String, (u32, u32)>,
         ranges: HashSet<(u32, IpNet)>,
+        tables: HashSet<u32>,
     }
 
     impl Held for Fake {
@@ -260,7 +282,7 @@ mod tests {
         }
         fn entries(&self) -> Entries {
             let slots = self.sets.values().map(|(_, n)| u64::from(*n)).sum();
-            [self.frontends.len() as u64, self.sets.len() as u64, slots, self.backends.len() as u64, self.ranges.len() as u64]
+            [self.frontends.len() as u64, self.sets.len() as u64, slots, self.backends.len() as u64, self.ranges.len() as u64, self.tables.len() as u64]
         }
         fn has_frontend(&self, key: &FrontendKey) -> bool {
             self.frontends.contains(key)
@@ -276,6 +298,9 @@ mod tests {
         }
         fn has_source_range(&self, id: u32, net: &IpNet) -> bool {
             self.ranges.contains(&(id, *net))
+        }
+        fn has_maglev_table(&self, id: u32) -> bool {
+            self.tables.contains(&id)
         }
     }
 
@@ -378,6 +403,26 @@ mod tests {
         let mut budget = Budget::new(&fake);
         assert_eq!(budget.admit(&parts[0]), Ok(()));
         assert!(budget.admit(&parts[1]).is_err());
+    }
+
+    #[test]
+    fn maglev_tables_count_one_per_set_with_backends() {
+        let mut fake = Fake { capacity: HashMap::from([(ServiceMap::Maglev, 1)]), ..Default::default() };
+        let maglev = |mut p: Share| {
+            p.maglev = p.backend_sets.iter().map(|(s, _)| s.clone()).collect();
+            p
+        };
+        let mut budget = Budget::new(&fake);
+        assert_eq!(budget.admit(&maglev(part("a", "10.96.0.1", &["10.0.0.1"], 0))), Ok(()));
+        assert_eq!(budget.admit(&maglev(part("e", "10.96.0.5", &[], 0))), Ok(()), "no backends, no table");
+        assert_eq!(budget.admit(&part("r", "10.96.0.6", &["10.0.0.6"], 0)), Ok(()), "random: no table");
+        let full = budget.admit(&maglev(part("b", "10.96.0.2", &["10.0.0.2"], 0))).unwrap_err();
+        assert_eq!(full, Full { map: ServiceMap::Maglev, capacity: 1, entries: 1 });
+        assert!(!room_for_all(&fake, [maglev(part("a", "10.96.0.1", &["10.0.0.1"], 0)), maglev(part("b", "10.96.0.2", &["10.0.0.2"], 0))].iter()));
+        // A table the maps hold already adds nothing.
+        fake.sets.insert("a".into(), (1, 1));
+        fake.tables.insert(1);
+        assert_eq!(Budget::new(&fake).admit(&maglev(part("a", "10.96.0.1", &["10.0.0.1"], 0))), Ok(()));
     }
 
     #[test]

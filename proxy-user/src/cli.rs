@@ -6,7 +6,7 @@ use ipnet::IpNet;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::dump::Output;
+use crate::{dump::Output, model::LbAlgorithm};
 
 pub const DEFAULT_BPFFS_ROOT: &str = "/sys/fs/bpf/ebpf-proxy";
 
@@ -138,4 +138,16 @@ pub struct RunArgs {
     /// first pinned: see docs/operations.md.
     #[arg(long, default_value_t = crate::map_sizes::DEFAULT_SERVICE_MAP_ENTRIES, value_name = "N")]
     pub service_map_entries: u32,
+    /// How a new flow picks its backend in Services without the
+    /// `ebpf-proxy.io/lb-algorithm` annotation: `random`, or `maglev`
+    /// (consistent hashing of the 5-tuple: every node picks the same backend).
+    #[arg(long, value_enum, default_value = "random")]
+    pub lb_algorithm: LbAlgorithm,
+    /// Cells of each Maglev table (M): a prime, at most 16381. The same on every node.
+    #[arg(long, default_value_t = proxy_common::DEFAULT_MAGLEV_TABLE_SIZE, value_parser = crate::maglev::parse_table_size, value_name = "PRIME")]
+    pub maglev_table_size: u32,
+    /// The seed of Maglev's hashes, decimal or 0x-hexadecimal (32 bits). The
+    /// same on every node; secret, so clients cannot aim at a backend.
+    #[arg(long, env = "EBPF_PROXY_MAGLEV_SEED", default_value = "0", value_parser = crate::maglev::parse_seed, value_name = "U32", hide_env_values = true)]
+    pub maglev_seed: u32,
 }

@@ -32,6 +32,8 @@ pub struct ServiceRow {
     pub source_ranges: bool,
     /// sessionAffinity ClientIP timeout; 0 = no affinity.
     pub affinity_timeout_seconds: u32,
+    /// How a new flow picks its backend: `random` or `maglev`.
+    pub algorithm: &'static str,
     /// What a packet gets while `backends` is empty: REJECT (no endpoint at
     /// all) or DROP (endpoints exist, none for this policy).
     pub if_no_backends: &'static str,
@@ -94,6 +96,11 @@ pub fn kind_name(kind: u8) -> &'static str {
     }
 }
 
+/// A frontend's backend choice, by its flags.
+pub fn algorithm_name(flags: u8) -> &'static str {
+    if flags & SVC_MAGLEV != 0 { "maglev" } else { "random" }
+}
+
 fn scope_name(scope: u8) -> &'static str {
     if scope == SCOPE_EXTERNAL { "external" } else { "internal" }
 }
@@ -144,6 +151,7 @@ pub fn services(maps: &Maps) -> Result<Vec<ServiceRow>> {
                 masquerade: entry.flags & SVC_MASQUERADE != 0,
                 source_ranges: entry.flags & SVC_SOURCE_RANGES != 0,
                 affinity_timeout_seconds: entry.affinity_timeout_s,
+                algorithm: algorithm_name(entry.flags),
                 if_no_backends: if entry.flags & SVC_DROP_IF_EMPTY != 0 { "DROP" } else { "REJECT" },
                 backends,
             }
@@ -246,7 +254,7 @@ pub fn print(what: crate::cli::DumpWhat, output: Output, root: &Path) -> Result<
         (DumpWhat::Backends, Output::Json) => serde_json::to_string_pretty(&backends(&maps)?)?,
         (DumpWhat::Conntrack, Output::Json) => serde_json::to_string_pretty(&conntrack(&maps)?)?,
         (DumpWhat::Services, Output::Table) => table(
-            &["SERVICE", "TYPE", "FRONTEND", "SCOPE", "POLICY", "FLAGS", "BACKENDS"],
+            &["SERVICE", "TYPE", "FRONTEND", "SCOPE", "POLICY", "LB", "FLAGS", "BACKENDS"],
             services(&maps)?.into_iter().map(|r| {
                 let backends = if r.backends.is_empty() {
                     format!("(none: {})", r.if_no_backends)
@@ -263,7 +271,7 @@ pub fn print(what: crate::cli::DumpWhat, output: Output, root: &Path) -> Result<
                 if r.affinity_timeout_seconds > 0 {
                     flags.push(format!("affinity {}s", r.affinity_timeout_seconds));
                 }
-                vec![r.service, r.kind, r.frontend, r.scope, r.policy.into(), flags.join("\n"), backends]
+                vec![r.service, r.kind, r.frontend, r.scope, r.policy.into(), r.algorithm.into(), flags.join("\n"), backends]
             }),
         ),
         (DumpWhat::Backends, Output::Table) => table(

@@ -357,6 +357,10 @@ impl Model {
             d.source_ranges.insert(set.clone(), nets.clone());
             touched.sets.insert(set.clone());
         }
+        for set in &part.share.maglev {
+            d.maglev.insert(set.clone());
+            touched.sets.insert(set.clone());
+        }
         for ip in &part.share.cluster_ips {
             *self.cluster_ip_claims.entry(*ip).or_default() += 1;
             d.cluster_ips.insert(*ip);
@@ -410,6 +414,10 @@ impl Model {
         }
         for (set, _) in &part.share.source_ranges {
             d.source_ranges.remove(set);
+            touched.sets.insert(set.clone());
+        }
+        for set in &part.share.maglev {
+            d.maglev.remove(set);
             touched.sets.insert(set.clone());
         }
         for ip in &part.share.cluster_ips {
@@ -802,6 +810,9 @@ mod tests {
         fn has_source_range(&self, service_id: u32, net: &ipnet::IpNet) -> bool {
             self.maps.has_source_range(service_id, net)
         }
+        fn has_maglev_table(&self, service_id: u32) -> bool {
+            self.maps.has_maglev_table(service_id)
+        }
     }
 
     /// Maps that remember the most entries each held at any moment.
@@ -814,7 +825,7 @@ mod tests {
     impl Peak {
         fn note(&mut self) -> anyhow::Result<()> {
             let c = &self.maps;
-            let now = [c.frontends.len(), c.names.len(), c.slots.len(), c.backends.len(), c.source_ranges.len()];
+            let now = [c.frontends.len(), c.names.len(), c.slots.len(), c.backends.len(), c.source_ranges.len(), c.maglev.len()];
             for (peak, n) in self.peak.iter_mut().zip(now) {
                 *peak = (*peak).max(n as u64);
             }
@@ -850,6 +861,13 @@ mod tests {
         }
         fn del_name(&mut self, id: u32) -> anyhow::Result<()> {
             self.maps.del_name(id)
+        }
+        fn put_maglev(&mut self, id: u32, t: &proxy_common::MaglevTable) -> anyhow::Result<()> {
+            self.maps.put_maglev(id, t)?;
+            self.note()
+        }
+        fn del_maglev(&mut self, id: u32) -> anyhow::Result<()> {
+            self.maps.del_maglev(id)
         }
         fn put_source_range(&mut self, id: u32, n: &ipnet::IpNet) -> anyhow::Result<()> {
             self.maps.put_source_range(id, n)?;

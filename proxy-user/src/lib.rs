@@ -15,6 +15,7 @@ pub mod healthcheck;
 pub mod http_server;
 pub mod incremental;
 pub mod kernel;
+pub mod maglev;
 pub mod manifest;
 pub mod map_sizes;
 pub mod maps;

@@ -1,7 +1,8 @@
 //! Applies a desired state to the maps with the fewest writes, in an order
 //! that never lets a packet see a half-written service: backends before the
 //! slots that name them, slots before the count that exposes them, and
-//! removals last. IDs come from what the maps already hold, so a restarted
+//! removals last; a Maglev table before the frontends that use it, and
+//! away only after they stopped. IDs come from what the maps already hold, so a restarted
 //! agent keeps every service and backend ID and no flow is disturbed. The
 //! service CIDRs, a handful of prefixes, are compared whole on every sync.
 //!
@@ -25,9 +26,14 @@ use proxy_common::{
 
 use crate::{
     incremental::Touched,
+    maglev::MaglevParams,
     maps::{Contents, MapWriter},
     model::{BackendSetKey, BackendTuple, DesiredState},
 };
+
+/// What a Maglev table was built from: its backends and their IDs, in
+/// order. None: adopted from the maps, unknown (rewritten at the first sync).
+type TableSource = Option<Vec<(BackendTuple, u32)>>;
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct SyncStats {
@@ -59,6 +65,11 @@ pub struct Reconciler {
     affinity_served: bool,
     /// Each service map's `max_entries` (`crate::capacity::ServiceMap` order).
     capacity: crate::capacity::Entries,
+    /// The seed and size Maglev tables are built with.
+    maglev: MaglevParams,
+    /// The Maglev tables the maps hold, by service ID (the mirror keeps
+    /// what each was built from, not its 64 KiB).
+    tables: HashMap<u32, TableSource>,
 }
 
 impl Reconciler {
@@ -66,6 +77,8 @@ impl Reconciler {
     pub fn adopt(held: Contents) -> Self {
         let service_ids = held.names.iter().map(|(id, (name, policy))| ((name.clone(), *policy), *id)).collect();
         let backend_ids = held.backends.iter().map(|(id, b)| ((b.addr.to_ip(), u16::from_be(b.port), b.proto), *id)).collect();
+        let mut held = held;
+        let tables = std::mem::take(&mut held.maglev).into_keys().map(|id| (id, None)).collect();
         let mut slot_counts: HashMap<u32, u32> = HashMap::new();
         for k in held.slots.keys() {
             let n = slot_counts.entry(k.service_id).or_default();
@@ -84,7 +97,15 @@ impl Reconciler {
             affinity_purge_due: true,
             affinity_served: true,
             capacity: crate::capacity::ServiceMap::ALL.map(crate::capacity::ServiceMap::default_capacity),
+            maglev: MaglevParams::default(),
+            tables,
         }
+    }
+
+    /// Builds Maglev tables with this seed and size (the programs' globals).
+    pub fn with_maglev(mut self, maglev: MaglevParams) -> Self {
+        self.maglev = maglev;
+        self
     }
 
     /// Admits Services against these capacities (the maps' own, which
@@ -253,6 +274,24 @@ impl Reconciler {
         if let Err(e) = result {
             return Err(e).with_context(|| format!("service {}: backend slot {}", services[written], writes[written].0.slot));
         }
+        // Maglev tables before the frontends flagged to read them: each
+        // written whole, in one update, when its backends changed.
+        for (&set, &service_id) in &set_ids {
+            if !desired.wants_maglev_table(set) {
+                continue;
+            }
+            let members: Vec<(BackendTuple, u32)> = desired.backend_sets[set]
+                .iter()
+                .map(|b| ((b.addr, b.port, b.proto), self.backend_ids[&(b.addr, b.port, b.proto)]))
+                .collect();
+            if self.tables.get(&service_id).is_some_and(|held| held.as_ref() == Some(&members)) {
+                continue;
+            }
+            let table = self.maglev.table(&members).expect("a set with backends has a table");
+            maps.put_maglev(service_id, &table).with_context(|| format!("service {}: Maglev table", set.service))?;
+            self.tables.insert(service_id, Some(members));
+            stats.writes += 1;
+        }
         // Source ranges before the frontends that consult them.
         let mut want_ranges: HashSet<(u32, IpNet)> = HashSet::new();
         for (&set, &id) in &set_ids {
@@ -321,11 +360,15 @@ impl Reconciler {
         for &set in &touched.sets {
             if let Some(&id) = set_ids.get(set) {
                 stats.deletes += self.trim_slots(id, desired.backend_sets[set].len() as u32, maps)?;
+                if !desired.wants_maglev_table(set) {
+                    stats.deletes += self.drop_table(id, maps)?;
+                }
                 continue;
             }
             let name = set.service.to_string();
             let Some(&id) = self.service_ids.get(&(name.clone(), set.policy)) else { continue };
             stats.deletes += self.trim_slots(id, 0, maps)?;
+            stats.deletes += self.drop_table(id, maps)?;
             maps.del_name(id)?;
             self.held.names.remove(&id);
             self.service_ids.remove(&(name, set.policy));
@@ -385,6 +428,11 @@ impl Reconciler {
             let keep = live.get(&id).map_or(0, |set| desired.backend_sets[*set].len() as u32);
             deletes += self.trim_slots(id, keep, maps)?;
         }
+        let stale: Vec<u32> =
+            self.tables.keys().filter(|id| live.get(id).is_none_or(|set| !desired.wants_maglev_table(set))).copied().collect();
+        for id in stale {
+            deletes += self.drop_table(id, maps)?;
+        }
         let stale: Vec<u32> = self.held.names.keys().filter(|id| !live.contains_key(id)).copied().collect();
         for id in stale {
             maps.del_name(id)?;
@@ -406,6 +454,16 @@ impl Reconciler {
             deletes += 1;
         }
         Ok(deletes)
+    }
+
+    /// Deletes a service's Maglev table, if the maps hold one.
+    fn drop_table(&mut self, service_id: u32, maps: &mut impl MapWriter) -> Result<usize> {
+        if !self.tables.contains_key(&service_id) {
+            return Ok(0);
+        }
+        maps.del_maglev(service_id)?;
+        self.tables.remove(&service_id);
+        Ok(1)
     }
 
     /// Deletes a service's slots from `keep` on.
@@ -458,7 +516,8 @@ impl crate::capacity::Held for Reconciler {
     }
     fn entries(&self) -> crate::capacity::Entries {
         let h = &self.held;
-        [h.frontends.len(), h.names.len(), h.slots.len(), h.backends.len(), h.source_ranges.len()].map(|n| n as u64)
+        [h.frontends.len(), h.names.len(), h.slots.len(), h.backends.len(), h.source_ranges.len(), self.tables.len()]
+            .map(|n| n as u64)
     }
     fn has_frontend(&self, key: &FrontendKey) -> bool {
         self.held.frontends.contains_key(key)
@@ -474,6 +533,9 @@ impl crate::capacity::Held for Reconciler {
     }
     fn has_source_range(&self, service_id: u32, net: &IpNet) -> bool {
         self.held.source_ranges.contains(&(service_id, *net))
+    }
+    fn has_maglev_table(&self, service_id: u32) -> bool {
+        self.tables.contains_key(&service_id)
     }
 }
 
@@ -537,7 +599,9 @@ mod tests {
 
     use super::*;
     use crate::model::{DesiredBackend, DesiredFrontend, ServicePortName};
-    use proxy_common::{BACKEND_READY, IPPROTO_TCP, KIND_CLUSTER_IP, POLICY_CLUSTER, SCOPE_INTERNAL};
+    use proxy_common::{
+        BACKEND_READY, IPPROTO_TCP, KIND_CLUSTER_IP, MAGLEV_TABLE_MAX, MaglevTable, POLICY_CLUSTER, SCOPE_INTERNAL, SVC_MAGLEV,
+    };
 
     fn set(name: &str) -> BackendSetKey {
         BackendSetKey {
@@ -658,6 +722,8 @@ mod tests {
             fn del_frontend(&mut self, k: &FrontendKey) -> Result<()> { self.0.del_frontend(k) }
             fn put_name(&mut self, id: u32, n: &ServiceName) -> Result<()> { self.0.put_name(id, n) }
             fn del_name(&mut self, id: u32) -> Result<()> { self.0.del_name(id) }
+            fn put_maglev(&mut self, id: u32, t: &MaglevTable) -> Result<()> { self.0.put_maglev(id, t) }
+            fn del_maglev(&mut self, id: u32) -> Result<()> { self.0.del_maglev(id) }
             fn put_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> { self.0.put_source_range(id, n) }
             fn del_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> { self.0.del_source_range(id, n) }
             fn put_service_cidr(&mut self, n: &IpNet) -> Result<()> { self.0.put_service_cidr(n) }
@@ -727,9 +793,11 @@ mod tests {
             self.maps.del_slot(k)
         }
         fn put_frontend(&mut self, k: &FrontendKey, e: &ServiceEntry) -> Result<()> {
+            self.log.push(format!("put_frontend {} flags {}", e.service_id, e.flags));
             self.maps.put_frontend(k, e)
         }
         fn del_frontend(&mut self, k: &FrontendKey) -> Result<()> {
+            self.log.push("del_frontend".into());
             self.maps.del_frontend(k)
         }
         fn put_name(&mut self, id: u32, n: &ServiceName) -> Result<()> {
@@ -739,6 +807,14 @@ mod tests {
         fn del_name(&mut self, id: u32) -> Result<()> {
             self.log.push(format!("del_name {id}"));
             self.maps.del_name(id)
+        }
+        fn put_maglev(&mut self, id: u32, t: &MaglevTable) -> Result<()> {
+            self.log.push(format!("put_maglev {id}"));
+            self.maps.put_maglev(id, t)
+        }
+        fn del_maglev(&mut self, id: u32) -> Result<()> {
+            self.log.push(format!("del_maglev {id}"));
+            self.maps.del_maglev(id)
         }
         fn put_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> {
             self.maps.put_source_range(id, n)
@@ -940,4 +1016,96 @@ mod tests {
         assert_eq!(purges(desired(&[("a", "10.96.0.1", &["10.0.0.4"])])), ["purge settle=true"], "served until now");
         assert_eq!(purges(desired(&[("a", "10.96.0.1", &["10.0.0.5"])])), ["purge settle=false"]);
     }
+
+    /// The same services balanced by Maglev.
+    fn with_maglev(mut d: DesiredState) -> DesiredState {
+        for f in d.frontends.values_mut() {
+            f.flags |= SVC_MAGLEV;
+        }
+        d.maglev = d.backend_sets.keys().cloned().collect();
+        d
+    }
+
+    /// The addresses a frontend's Maglev table holds, cell by cell (the first M).
+    fn table_of(c: &Contents, vip: &str) -> Vec<String> {
+        let fe = c.frontends[&frontend(vip)];
+        c.maglev[&fe.service_id][..MaglevParams::default().size as usize].iter().map(|id| c.backends[id].addr.to_string()).collect()
+    }
+
+    /// What the table should hold, by the pure function of the identities.
+    fn expected_table(backends: &[&str]) -> Vec<String> {
+        let members: Vec<(BackendTuple, String)> =
+            backends.iter().map(|b| ((b.parse().unwrap(), 8080, IPPROTO_TCP), b.to_string())).collect();
+        MaglevParams::default().cells(&members)
+    }
+
+    #[test]
+    fn a_maglev_table_follows_its_set_and_goes_with_it() {
+        let mut maps = Recorder::default();
+        let mut r = Reconciler::adopt(Contents::default());
+        // Another service first, so the IDs differ from the backends' order.
+        let step = |a: &[&str]| with_maglev(desired(&[("a", "10.96.0.1", a), ("b", "10.96.0.2", &["10.0.0.9", "10.0.0.3"])]));
+        r.sync(&step(&["10.0.0.1", "10.0.0.2", "10.0.0.3"]), &mut maps).unwrap();
+        assert_eq!(table_of(&maps.maps, "10.96.0.1"), expected_table(&["10.0.0.3", "10.0.0.1", "10.0.0.2"]));
+        assert_eq!(table_of(&maps.maps, "10.96.0.2"), expected_table(&["10.0.0.3", "10.0.0.9"]));
+        let a = maps.maps.frontends[&frontend("10.96.0.1")].service_id;
+        // Written before the frontend that reads it.
+        let table_at = maps.log.iter().position(|l| *l == format!("put_maglev {a}")).unwrap();
+        let frontend_at = maps.log.iter().position(|l| l.starts_with(&format!("put_frontend {a} "))).unwrap();
+        assert!(table_at < frontend_at, "{:?}", maps.log);
+
+        // Unchanged: not written again. One backend fewer: rewritten whole, once.
+        maps.log.clear();
+        r.sync(&step(&["10.0.0.1", "10.0.0.2", "10.0.0.3"]), &mut maps).unwrap();
+        assert!(maps.log.iter().all(|l| !l.starts_with("put_maglev")), "{:?}", maps.log);
+        r.sync(&step(&["10.0.0.1", "10.0.0.3"]), &mut maps).unwrap();
+        assert_eq!(maps.log.iter().filter(|l| l.starts_with("put_maglev")).collect::<Vec<_>>(), [&format!("put_maglev {a}")]);
+        assert_eq!(table_of(&maps.maps, "10.96.0.1"), expected_table(&["10.0.0.1", "10.0.0.3"]));
+
+        // No endpoints: the frontend first stops reading it, then it goes.
+        maps.log.clear();
+        r.sync(&step(&[]), &mut maps).unwrap();
+        let frontend_at = maps.log.iter().position(|l| l.starts_with(&format!("put_frontend {a} "))).unwrap();
+        let gone_at = maps.log.iter().position(|l| *l == format!("del_maglev {a}")).unwrap();
+        assert!(frontend_at < gone_at, "{:?}", maps.log);
+        assert_eq!(maps.maps.frontends[&frontend("10.96.0.1")].backend_count, 0);
+        assert!(!maps.maps.maglev.contains_key(&a));
+
+        // Random again, then gone: no table left behind.
+        r.sync(&step(&["10.0.0.1"]), &mut maps).unwrap();
+        assert!(maps.maps.maglev.contains_key(&a));
+        r.sync(&desired(&[("a", "10.96.0.1", &["10.0.0.1"]), ("b", "10.96.0.2", &["10.0.0.3"])]), &mut maps).unwrap();
+        assert!(maps.maps.maglev.is_empty());
+        assert_eq!(maps.maps.frontends[&frontend("10.96.0.1")].flags & SVC_MAGLEV, 0);
+        r.sync(&with_maglev(desired(&[("b", "10.96.0.2", &["10.0.0.3"])])), &mut maps).unwrap();
+        r.sync(&DesiredState::default(), &mut maps).unwrap();
+        assert!(maps.maps.maglev.is_empty() && maps.maps.frontends.is_empty());
+    }
+
+    /// A restarted agent (maybe with another seed or size) cannot know what
+    /// the tables it adopts were built from: it rewrites them at its first
+    /// sync, and removes those of services gone meanwhile.
+    #[test]
+    fn adopted_tables_are_rewritten_or_removed() {
+        let mut maps = Contents::default();
+        let mut r = Reconciler::adopt(Contents::default());
+        let both = with_maglev(desired(&[("a", "10.96.0.1", &["10.0.0.1"]), ("b", "10.96.0.2", &["10.0.0.2"])]));
+        r.sync(&both, &mut maps).unwrap();
+        let b = maps.frontends[&frontend("10.96.0.2")].service_id;
+
+        // As `Maps::read_contents` reads them: which services have one.
+        let adopted = Contents { maglev: maps.maglev.keys().map(|id| (*id, Vec::new())).collect(), ..maps.clone() };
+        let seeded = MaglevParams::new(7, 251).unwrap();
+        let mut restarted = Reconciler::adopt(adopted).with_maglev(seeded);
+        let mut rec = Recorder { maps, ..Default::default() };
+        restarted.sync(&with_maglev(desired(&[("a", "10.96.0.1", &["10.0.0.1"])])), &mut rec).unwrap();
+        let a = rec.maps.frontends[&frontend("10.96.0.1")].service_id;
+        assert!(rec.log.contains(&format!("put_maglev {a}")), "{:?}", rec.log);
+        assert!(rec.log.contains(&format!("del_maglev {b}")), "{:?}", rec.log);
+        assert_eq!(rec.maps.maglev.keys().collect::<Vec<_>>(), [&a]);
+        let cells = &rec.maps.maglev[&a];
+        assert_eq!(cells.len(), MAGLEV_TABLE_MAX as usize);
+        assert!(cells.iter().all(|id| rec.maps.backends[id].addr.to_string() == "10.0.0.1"));
+    }
 }
+

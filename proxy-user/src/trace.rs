@@ -81,6 +81,16 @@ pub struct Trace {
     /// backend this run drew, one of `candidates`.
     pub backend: Option<String>,
     pub candidates: Vec<String>,
+    /// How the service picks a new flow's backend: `random` or `maglev`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub algorithm: Option<&'static str>,
+    /// A new flow's cell of the Maglev table (`flow hash % table size`),
+    /// when the backend came from it (not from the client's affinity).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub maglev_cell: Option<u32>,
+    /// The table size the cell is taken modulo.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub maglev_table_size: Option<u32>,
     pub masquerade: bool,
     /// For a masqueraded flow: the ports masquerade holds, and how often it
     /// ran out (as `dump conntrack` ends with).
@@ -102,7 +112,12 @@ pub fn print(from: Source, to: Destination, output: Output, root: &Path) -> Resu
                 println!("service     {s} ({}, {} scope)", t.kind.as_deref().unwrap_or("?"), t.scope.as_deref().unwrap_or("?"));
             }
             if let Some(b) = &t.backend {
-                let how = if t.existing_flow { "existing flow" } else { "new flow, chosen at random" };
+                let how = match (t.existing_flow, t.maglev_cell, t.algorithm) {
+                    (true, _, _) => "existing flow".to_string(),
+                    (false, Some(cell), _) => format!("new flow, Maglev cell {cell} of {}", t.maglev_table_size.unwrap_or(0)),
+                    (false, None, Some("maglev")) => "new flow, the client's affinity".to_string(),
+                    (false, None, _) => "new flow, chosen at random".to_string(),
+                };
                 println!("backend     {b} ({how})");
             }
             if !t.candidates.is_empty() {
@@ -131,6 +146,7 @@ pub fn trace(from: Source, to: Destination, root: &Path) -> Result<Trace> {
         root.display()
     );
     let (mut ebpf, maps) = maps::load(root)?;
+    let maglev_table_size = maps.maglev_settings.get(&MAGLEV_SETTING_TABLE_SIZE, 0)?;
     maps::load_tc(&mut ebpf, TC_TRACE)?;
     let prog: &mut SchedClassifier = ebpf.program_mut(TC_TRACE).context("tc_trace missing from the BPF object")?.try_into()?;
 
@@ -159,7 +175,11 @@ pub fn trace(from: Source, to: Destination, root: &Path) -> Result<Trace> {
     } else {
         (None, None)
     };
-    let candidates = match contents.frontends.values().find(|e| e.service_id == service_id && service_id != 0) {
+    let entry = contents.frontends.values().find(|e| e.service_id == service_id && service_id != 0);
+    let algorithm = entry.filter(|_| !existing_flow).map(|e| crate::dump::algorithm_name(e.flags));
+    let maglev_cell = (algorithm == Some("maglev") && report.maglev_cell != TRACE_NO_MAGLEV_CELL && backend_id != 0)
+        .then_some(report.maglev_cell);
+    let candidates = match entry {
         Some(e) if !existing_flow => (0..e.backend_count)
             .filter_map(|slot| contents.slots.get(&SlotKey { service_id, slot }))
             .filter_map(|id| contents.backends.get(id))
@@ -192,6 +212,9 @@ pub fn trace(from: Source, to: Destination, root: &Path) -> Result<Trace> {
         scope,
         backend,
         candidates,
+        algorithm,
+        maglev_cell,
+        maglev_table_size: maglev_cell.map(|_| maglev_table_size),
         masquerade: has(Counter::Masqueraded),
         masquerade_ports: if has(Counter::Masqueraded) {
             Some(crate::dump::masquerade_summary(&crate::dump::conntrack(&maps)?, &maps.read_counters()?))

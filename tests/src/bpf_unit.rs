@@ -11,7 +11,7 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use proxy_common::{
-    GLOBAL_HAS_COARSE_CLOCK, MAP_AFFINITY, MAP_CONNTRACK, MAP_CT_UNCONFIRMED, MAP_SNAT, MAP_SNAT_UNCONFIRMED,
+    DEFAULT_MAGLEV_TABLE_SIZE, GLOBAL_HAS_COARSE_CLOCK, GLOBAL_MAGLEV_SEED, GLOBAL_MAGLEV_TABLE_SIZE, MAP_AFFINITY, MAP_CONNTRACK, MAP_CT_UNCONFIRMED, MAP_SNAT, MAP_SNAT_UNCONFIRMED,
     MAP_SOCK_REVNAT,
     unit::{UnitReport, UnitSetup},
 };
@@ -51,6 +51,11 @@ pub struct Unit {
 impl Unit {
     /// The unit object, loaded afresh (empty maps) for one test.
     pub fn load(label: &str) -> Result<Unit> {
+        Self::load_with_maglev(label, 0, DEFAULT_MAGLEV_TABLE_SIZE)
+    }
+
+    /// `load`, with Maglev's seed and table size as the agent sets them.
+    pub fn load_with_maglev(label: &str, seed: u32, table_size: u32) -> Result<Unit> {
         ensure!(is_root(), "needs root (BPF)");
         let bpffs = Bpffs::new(label).context("mounting a private bpffs")?;
         let features = proxy_user::kernel::probe()?;
@@ -62,6 +67,8 @@ impl Unit {
         let ebpf = loader
             .default_map_pin_directory(bpffs.path())
             .override_global(GLOBAL_HAS_COARSE_CLOCK, &coarse_clock, true)
+            .override_global(GLOBAL_MAGLEV_SEED, &seed, true)
+            .override_global(GLOBAL_MAGLEV_TABLE_SIZE, &table_size, true)
             .load(UNIT_OBJECT)
             .context("loading the unit object")?;
         Ok(Unit { ebpf, _bpffs: bpffs })

@@ -633,6 +633,76 @@ fn lb_affinity_keeps_a_client_on_its_backend() {
     }
 }
 
+/// Maglev: the backend is `table[flow_hash % M]` of the service's table,
+/// with the seed and M the object was loaded with (not the defaults); the
+/// report names that cell. With ClientIP affinity the source port leaves
+/// the hash: a client's connections from any port share one cell. A
+/// service without its table gets no backend.
+#[test]
+#[ignore = "needs root (BPF)"]
+fn lb_maglev_picks_the_cell_of_the_flows_hash() {
+    const SEED: u32 = 0x5eed_1234;
+    const M: u32 = 251;
+    const FIRST_ID: u32 = 100;
+    let mut unit = Unit::load_with_maglev("unit-lb-maglev", SEED, M).expect("loading the unit object");
+    for w in WORLDS {
+        // One backend per cell, so the ID names the cell it came from.
+        let mut backends = unit.hash::<u32, Backend>(MAP_BACKENDS).unwrap();
+        let mut by_id = BTreeMap::new();
+        for cell in 0..M {
+            let ip = match w.backend {
+                IpAddr::V4(v4) => IpAddr::V4(Ipv4Addr::from(u32::from(v4) + cell)),
+                IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) + u128::from(cell))),
+            };
+            let b = backend_entry(ip, BACKEND_PORT, IPPROTO_TCP);
+            backends.insert(&(FIRST_ID + cell), &b, 0).unwrap();
+            by_id.insert(FIRST_ID + cell, b);
+        }
+        let mut table = Box::new(MaglevTable { cells: [0; MAGLEV_TABLE_MAX as usize] });
+        for (i, cell) in table.cells.iter_mut().enumerate() {
+            // Past M: IDs no backend has, which a wrong modulus would read.
+            *cell = if (i as u32) < M { FIRST_ID + i as u32 } else { 9_999 };
+        }
+        unit.hash::<u32, MaglevTable>(MAP_MAGLEV).unwrap().insert(&SERVICE_ID, &*table, 0).unwrap();
+        let maglev = |affinity_timeout_s| ServiceEntry { flags: SVC_MAGLEV, ..service_entry(M, affinity_timeout_s) };
+
+        unit.setup(choosing(maglev(0), true)).unwrap();
+        let mut cells = std::collections::BTreeSet::new();
+        for i in 0..64u16 {
+            let client = if i % 2 == 0 { w.client } else { w.client_2 };
+            let sport = 30_000 + i * 7;
+            let flow = key((client, sport), (w.vip, FRONTEND_PORT), IPPROTO_TCP);
+            let want = maglev::flow_hash(&flow, flow.sport, SEED) % M;
+            let what = format!("{} {client}:{sport}", w.name);
+            let r = run(&mut unit, "unit_lb_choose", &tcp_syn((client, sport), (w.vip, FRONTEND_PORT)), &what).report;
+            assert_eq!((r.found, r.sticky), (1, 0), "{what}: a backend, from the table");
+            assert_eq!(r.maglev_cell, want, "{what}: the cell is flow_hash % M");
+            assert_eq!(r.backend_id, FIRST_ID + want, "{what}: the backend is table[cell]");
+            assert_eq!(r.backend, by_id[&r.backend_id], "{what}: BACKENDS' entry for that ID");
+            cells.insert(want);
+        }
+        assert!(cells.len() > 40, "{}: 64 flows hashed to only {} cells", w.name, cells.len());
+
+        // Affinity: the source port leaves the hash (a trace's choice, so
+        // no AFFINITY entry answers first).
+        unit.setup(choosing(maglev(10_800), false)).unwrap();
+        let flow = key((w.client, 0), (w.vip, FRONTEND_PORT), IPPROTO_TCP);
+        let want = maglev::flow_hash(&flow, 0, SEED) % M;
+        for sport in [1_024u16, 40_000, 50_001, 65_535] {
+            let what = format!("{} {}:{sport} with affinity", w.name, w.client);
+            let r = run(&mut unit, "unit_lb_choose", &tcp_syn((w.client, sport), (w.vip, FRONTEND_PORT)), &what).report;
+            assert_eq!((r.maglev_cell, r.backend_id), (want, FIRST_ID + want), "{what}: the port does not count");
+        }
+        assert_eq!(affinities(&mut unit), 0);
+
+        // No table: no backend (the agent writes it before the frontend).
+        unit.hash::<u32, MaglevTable>(MAP_MAGLEV).unwrap().remove(&SERVICE_ID).unwrap();
+        unit.setup(choosing(maglev(0), true)).unwrap();
+        let what = format!("{}: no table", w.name);
+        assert_eq!(choose(&mut unit, &w, w.client, &what).report.found, 0, "{what}: no backend");
+    }
+}
+
 /// The frontend lookup: a served port finds its service in the client's
 /// scope (in-cluster by the cluster CIDRs, or external); an unserved port
 /// of a ClusterIP is a reject, an unallocated address of the service CIDR

@@ -19,7 +19,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail, ensure};
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use k8s_openapi::{
     api::{
         apps::v1::DaemonSet,
@@ -198,6 +198,16 @@ fn daemon_set_runs_the_real_cli_like_kube_proxy() -> Result<()> {
     let field = env.value_from.as_ref().and_then(|v| v.field_ref.as_ref()).map(|f| f.field_path.as_str());
     assert_eq!(field, Some("spec.nodeName"));
     assert!(args.node_name.is_none(), "--node-name must come from NODE_NAME, not be fixed");
+
+    // Maglev's seed from an optional Secret, through the variable --maglev-seed reads.
+    let seed_env = proxy_user::cli::Cli::command()
+        .find_subcommand("run")
+        .and_then(|run| run.get_arguments().find(|a| a.get_long() == Some("maglev-seed")).and_then(|a| a.get_env()))
+        .map(|e| e.to_string_lossy().into_owned())
+        .context("--maglev-seed reads no environment variable")?;
+    let env = c.env.iter().flatten().find(|e| e.name == seed_env).with_context(|| format!("no {seed_env} env"))?;
+    let secret = env.value_from.as_ref().and_then(|v| v.secret_key_ref.as_ref()).context("the Maglev seed is not from a Secret")?;
+    assert_eq!((secret.name.as_str(), secret.key.as_str(), secret.optional), ("ebpf-proxy-maglev", "seed", Some(true)));
 
     // Probes on the port the agent serves health on.
     let port = args.healthz_bind_address.port();

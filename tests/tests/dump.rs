@@ -115,7 +115,7 @@ fn expected_services() -> Vec<Value> {
     let web = |port: u16| vec![backend(HERE, port, &["ready", "serving", "local"]), backend(THERE, port, &["ready", "serving"])];
     let row = |service: &str, kind: &str, frontend: String, scope: &str, policy: &str, masquerade: bool, backends: Vec<Value>| {
         json!({"service": service, "type": kind, "frontend": frontend, "scope": scope, "policy": policy,
-               "masquerade": masquerade, "source_ranges": false, "affinity_timeout_seconds": 0,
+               "masquerade": masquerade, "source_ranges": false, "affinity_timeout_seconds": 0, "algorithm": "random",
                "if_no_backends": "REJECT", "backends": backends})
     };
     let mut rows = Vec::new();

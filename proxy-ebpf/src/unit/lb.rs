@@ -1,6 +1,6 @@
 //! Load balancing's steps, one program each: the frontend lookup (which
 //! service, or which miss) and the backend choice for the setup's service
-//! (the slots and backends maps, the client's affinity).
+//! (the slots and backends maps or the Maglev table, the client's affinity).
 
 use aya_ebpf::{macros::classifier, programs::TcContext};
 use proxy_common::unit::{UNIT_MISS_DROP_UNALLOCATED, UNIT_MISS_NOT_OURS, UNIT_MISS_REJECT, UNIT_SCOPE_OF_SOURCE};
@@ -45,12 +45,13 @@ pub fn unit_lb_choose(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn choose<F: Family>(ctx: &TcContext) -> i32 {
     let Some((pkt, setup, report)) = start::<F>(ctx) else { return NOT_RUN };
-    let chosen = lb::choose_backend(&setup.service, &pkt.tuple.src, setup.remember != 0);
-    if let Some((backend_id, backend, sticky)) = chosen {
+    let chosen = lb::choose_backend(&setup.service, &pkt.tuple, setup.remember != 0);
+    if let Some(choice) = chosen {
         report.found = 1;
-        report.backend_id = backend_id;
-        report.backend = backend;
-        report.sticky = sticky as u8;
+        report.backend_id = choice.backend_id;
+        report.backend = choice.backend;
+        report.sticky = choice.sticky as u8;
+        report.maglev_cell = choice.maglev_cell;
     }
     ran(report)
 }

@@ -25,6 +25,7 @@ use crate::{
     capacity::{Entries, ServiceMap},
     map_sizes::MapSizes,
     kernel::Features,
+    maglev::MaglevParams,
     snat_ports::SnatPorts,
 };
 
@@ -133,6 +134,10 @@ pinned_maps! {
         source_ranges: LpmTrie<MapData, SourceRangeData, u8> = MAP_SOURCE_RANGES,
         /// sessionAffinity: the datapath writes it, the reconciler purges it.
         affinity: HashMap<MapData, AffinityKey, AffinityEntry> = MAP_AFFINITY,
+        /// Maglev services' tables, each written whole (see `crate::maglev`).
+        maglev: HashMap<MapData, u32, MaglevTable> = MAP_MAGLEV,
+        /// The seed and table size the programs were loaded with, for `trace`.
+        maglev_settings: Array<MapData, u32> = MAP_MAGLEV_SETTINGS,
     }
     programs_only {
         HashMap<MapData, CtKey, SnatEntry> = MAP_SNAT,
@@ -337,18 +342,32 @@ pub struct LoadOptions {
     pub sizes: MapSizes,
     /// The kernel's optional features.
     pub features: Features,
+    /// Maglev's seed and table size (globals of the programs).
+    pub maglev: MaglevParams,
 }
 
 /// Loads the programs; maps already pinned under `root` are reused, so a
-/// restart keeps services, backends and conntrack.
+/// restart keeps services, backends and conntrack. Maglev's seed and table
+/// size are the running agent's (`MAGLEV_SETTINGS`), so that a trace picks
+/// the cells the agent's programs pick.
 pub fn load(root: &Path) -> Result<(Ebpf, Maps)> {
     let options = LoadOptions {
         root: root.to_path_buf(),
         ports: SnatPorts::default(),
         sizes: MapSizes::default(),
         features: crate::kernel::probe()?,
+        maglev: pinned_maglev_settings(root).unwrap_or_default(),
     };
     load_with(&options)
+}
+
+/// The seed and table size an agent loaded its programs with, if it
+/// pinned them (an agent of a build before Maglev did not).
+fn pinned_maglev_settings(root: &Path) -> Option<MaglevParams> {
+    let settings: Array<MapData, u32> = open_pin(root, MAP_MAGLEV_SETTINGS).ok()?.try_into().ok()?;
+    let seed = settings.get(&MAGLEV_SETTING_SEED, 0).ok()?;
+    let size = settings.get(&MAGLEV_SETTING_TABLE_SIZE, 0).ok()?;
+    MaglevParams::new(seed, size).ok()
 }
 
 /// As `load`, with the given options: the object for Ethernet devices,
@@ -362,6 +381,8 @@ pub fn load_with(options: &LoadOptions) -> Result<(Ebpf, Maps)> {
     // An agent stopped between a removal and its bump leaves flows that
     // would skip their check: every flow checks its backend once more.
     maps.bump_backends_epoch()?;
+    maps.maglev_settings.set(MAGLEV_SETTING_SEED, &options.maglev.seed, 0).context("map MAGLEV_SETTINGS")?;
+    maps.maglev_settings.set(MAGLEV_SETTING_TABLE_SIZE, &options.maglev.size, 0).context("map MAGLEV_SETTINGS")?;
     Ok((ebpf, maps))
 }
 
@@ -383,6 +404,7 @@ fn load_object(options: &LoadOptions, kind: LinkKind) -> Result<Ebpf> {
     let coarse_clock = u32::from(options.features.coarse_clock);
     let set_retval = u32::from(options.features.sock_set_retval);
     let l2_header_len = kind.l2_header_len();
+    let MaglevParams { seed: maglev_seed, size: maglev_size } = options.maglev;
     let mut loader = EbpfLoader::new();
     for (name, entries) in options.sizes.adopt_pinned(root) {
         loader.map_max_entries(name, entries);
@@ -403,6 +425,8 @@ fn load_object(options: &LoadOptions, kind: LinkKind) -> Result<Ebpf> {
         .override_global(GLOBAL_HAS_COARSE_CLOCK, &coarse_clock, true)
         .override_global(GLOBAL_HAS_SET_RETVAL, &set_retval, true)
         .override_global(GLOBAL_L2_HLEN, &l2_header_len, true)
+        .override_global(GLOBAL_MAGLEV_SEED, &maglev_seed, true)
+        .override_global(GLOBAL_MAGLEV_TABLE_SIZE, &maglev_size, true)
         .load(BPF_OBJECT)
         .map_err(|e| load_error(e, root))
 }
@@ -440,6 +464,10 @@ impl Maps {
         for kv in self.names.iter() {
             let (k, v) = kv?;
             c.names.insert(k, (v.as_str().to_string(), v.policy));
+        }
+        // Which services have a table, not the tables (64 KiB each).
+        for id in self.maglev.keys() {
+            c.maglev.insert(id?, Vec::new());
         }
         for k in self.source_ranges.keys() {
             let k = k?;

@@ -29,6 +29,11 @@ pub struct Contents {
     /// deletes stale ones (`MapWriter::purge_affinity`), never reads them
     /// into `Reconciler::held`: here for tests that stand in for the maps.
     pub affinity: HashMap<AffinityKey, AffinityEntry>,
+    /// Maglev tables by service ID: their cells as written (the tests'
+    /// stand-in), or none where read back from the pinned maps
+    /// (`Maps::read_contents` reads which services have one, not the 64 KiB
+    /// tables). The reconciler's mirror keeps what it built them from instead.
+    pub maglev: HashMap<u32, Vec<u32>>,
 }
 
 /// Writes to the datapath maps. The real one is `maps::Maps`; tests use `Contents`.
@@ -41,6 +46,10 @@ pub trait MapWriter {
     fn del_frontend(&mut self, key: &FrontendKey) -> Result<()>;
     fn put_name(&mut self, id: u32, name: &ServiceName) -> Result<()>;
     fn del_name(&mut self, id: u32) -> Result<()>;
+    /// Replaces a service's whole Maglev table in one update: a packet
+    /// reads either the old table or the new one.
+    fn put_maglev(&mut self, service_id: u32, table: &MaglevTable) -> Result<()>;
+    fn del_maglev(&mut self, service_id: u32) -> Result<()>;
     fn put_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()>;
     fn del_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()>;
     fn put_service_cidr(&mut self, net: &IpNet) -> Result<()>;
@@ -108,6 +117,14 @@ impl MapWriter for Contents {
         self.names.remove(&id);
         Ok(())
     }
+    fn put_maglev(&mut self, service_id: u32, table: &MaglevTable) -> Result<()> {
+        self.maglev.insert(service_id, table.cells.to_vec());
+        Ok(())
+    }
+    fn del_maglev(&mut self, service_id: u32) -> Result<()> {
+        self.maglev.remove(&service_id);
+        Ok(())
+    }
     fn put_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()> {
         self.source_ranges.insert((service_id, *net));
         Ok(())
@@ -173,6 +190,12 @@ impl MapWriter for Maps {
     }
     fn del_name(&mut self, id: u32) -> Result<()> {
         in_service_map(ServiceMap::Names, self.service_capacity, self.names.remove(&id))
+    }
+    fn put_maglev(&mut self, service_id: u32, table: &MaglevTable) -> Result<()> {
+        in_service_map(ServiceMap::Maglev, self.service_capacity, self.maglev.insert(&service_id, table, 0))
+    }
+    fn del_maglev(&mut self, service_id: u32) -> Result<()> {
+        in_service_map(ServiceMap::Maglev, self.service_capacity, self.maglev.remove(&service_id))
     }
     fn put_source_range(&mut self, service_id: u32, net: &IpNet) -> Result<()> {
         let (len, addr) = lpm_prefix(net);

@@ -82,6 +82,16 @@ pub struct DesiredState {
     /// Local), by port; a port two Services claim (the API forbids it) goes
     /// to the first by namespace/name.
     pub health_checks: BTreeMap<u16, HealthCheck>,
+    /// The backend sets balanced by Maglev (their frontends carry
+    /// SVC_MAGLEV): each gets a table while it has backends.
+    pub maglev: BTreeSet<BackendSetKey>,
+}
+
+impl DesiredState {
+    /// Whether `set` needs a Maglev table: Maglev, with backends to fill it.
+    pub fn wants_maglev_table(&self, set: &BackendSetKey) -> bool {
+        self.maglev.contains(set) && self.backend_sets.get(set).is_some_and(|b| !b.is_empty())
+    }
 }
 
 /// One Service's share of the desired state, as the incremental model
@@ -95,6 +105,7 @@ pub struct Share {
     pub cluster_ips: Vec<IpAddr>,
     pub source_ranges: Vec<(BackendSetKey, Vec<IpNet>)>,
     pub health_checks: Vec<(u16, HealthCheck)>,
+    pub maglev: Vec<BackendSetKey>,
 }
 
 impl From<DesiredState> for Share {
@@ -106,6 +117,7 @@ impl From<DesiredState> for Share {
             cluster_ips: part.cluster_ips.into_iter().collect(),
             source_ranges: part.source_ranges.into_iter().collect(),
             health_checks: part.health_checks.into_iter().collect(),
+            maglev: part.maglev.into_iter().collect(),
         }
     }
 }
@@ -121,6 +133,11 @@ impl Share {
 
     pub fn health_check(&self, port: u16) -> Option<&HealthCheck> {
         find(&self.health_checks, &port)
+    }
+
+    /// As `DesiredState::wants_maglev_table`.
+    pub fn wants_maglev_table(&self, set: &BackendSetKey) -> bool {
+        self.maglev.binary_search(set).is_ok() && find(&self.backend_sets, set).is_some_and(|b| !b.is_empty())
     }
 }
 

@@ -8,13 +8,13 @@ use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{LoadBalancerIngress, Service, ServiceSpec};
 use proxy_common::{
     Addr, BACKEND_LOCAL, BACKEND_READY, FrontendKey, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER,
-    KIND_NODE_PORT, POLICY_CLUSTER, POLICY_LOCAL, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MASQUERADE,
-    SVC_SOURCE_RANGES,
+    KIND_NODE_PORT, POLICY_CLUSTER, POLICY_LOCAL, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_DROP_IF_EMPTY, SVC_MAGLEV,
+    SVC_MASQUERADE, SVC_SOURCE_RANGES,
 };
 
 use super::{
-    BackendSetKey, DesiredFrontend, DesiredState, HealthCheck, ModelConfig, ObjectError, ServiceKey, ServicePortName,
-    SkipReason,
+    BackendSetKey, DesiredFrontend, DesiredState, HealthCheck, LbAlgorithm, ModelConfig, ObjectError, ServiceKey,
+    ServicePortName, SkipReason, algorithm,
     endpoints::{categorize, endpoint_flags, protocol_of, select_endpoints},
 };
 use crate::{endpoint_ips, endpoint_slice::EndpointSlice, precedence};
@@ -93,10 +93,14 @@ fn build_service(svc: &Service, slices: &[&EndpointSlice], config: &ModelConfig,
     if ips.iter().any(|ip| ip.as_str() == "None") {
         return; // headless: DNS only, nothing to proxy
     }
+    let algorithm = algorithm::of(svc, config.lb_algorithm).unwrap_or_else(|why| {
+        ctx.skip(SkipReason::UnknownLbAlgorithm, why);
+        config.lb_algorithm
+    });
     // A dual-stack Service is two: each family's frontends lead to that
     // family's endpoints only.
     for ipv6 in [false, true] {
-        build_family(svc, spec, &ips, slices, config, ctx, state, ipv6);
+        build_family(svc, spec, &ips, slices, config, ctx, state, ipv6, algorithm);
     }
 }
 
@@ -110,6 +114,7 @@ fn build_family(
     ctx: &mut ServiceCtx,
     state: &mut DesiredState,
     ipv6: bool,
+    algorithm: LbAlgorithm,
 ) {
     let cluster_ips = ctx.ips("spec.clusterIPs", ips.iter().copied(), ipv6);
     if cluster_ips.is_empty() {
@@ -143,6 +148,7 @@ fn build_family(
         let cluster = BackendSetKey { service: service.clone(), policy: POLICY_CLUSTER };
         let local = BackendSetKey { service, policy: POLICY_LOCAL };
         let affinity_timeout_s = affinity_timeout(spec);
+        let maglev = if algorithm == LbAlgorithm::Maglev { SVC_MAGLEV } else { 0 };
         let (mut has_cluster, mut has_local) = (false, false);
         let mut add = |state: &mut DesiredState, key: FrontendKey, set: &BackendSetKey, kind: u8, mut flags: u8, empty: bool| {
             // The Service's own ClusterIP listed again as its ExternalIP (or
@@ -156,6 +162,7 @@ fn build_family(
             if empty && endpoints.any {
                 flags |= SVC_DROP_IF_EMPTY;
             }
+            flags |= maglev;
             state.frontends.insert(key, DesiredFrontend { set: set.clone(), kind, flags, affinity_timeout_s });
         };
 
@@ -223,10 +230,16 @@ fn build_family(
         }
         if has_cluster {
             state.backend_sets.insert(cluster.clone(), endpoints.cluster);
+            if maglev != 0 {
+                state.maglev.insert(cluster.clone());
+            }
         } else {
             state.source_ranges.remove(&cluster);
         }
         if has_local {
+            if maglev != 0 {
+                state.maglev.insert(local.clone());
+            }
             state.backend_sets.insert(local, endpoints.local);
         }
     }

@@ -8,10 +8,12 @@
 //! - `endpoints`: which of a service port's endpoints serve (kube-proxy's
 //!   CategorizeEndpoints, topology, validation);
 //! - `node`: whether this node may receive load-balanced traffic;
+//! - `algorithm`: how a Service's new flows pick a backend;
 //! - `desired`: what the model outputs;
 //! - `skip`: what it reports for what it could not use;
 //! - `trigger_times`: when the changes it is given happened.
 
+mod algorithm;
 mod desired;
 mod endpoints;
 mod frontends;
@@ -31,6 +33,7 @@ use ipnet::IpNet;
 use proxy_common::FrontendKey;
 
 pub use self::{
+    algorithm::{LB_ALGORITHM_ANNOTATION, LbAlgorithm},
     desired::{
         BackendSetKey, BackendTuple, DesiredBackend, DesiredFrontend, DesiredState, HealthCheck, ServicePortName,
         Share, backend_states,
@@ -68,6 +71,8 @@ pub struct ModelConfig {
     /// `--service-cidr`: the service CIDRs where the cluster has no
     /// ServiceCIDR object (see `service_cidrs`).
     pub service_cidrs: Vec<IpNet>,
+    /// `--lb-algorithm`: for Services without the annotation (`algorithm`).
+    pub lb_algorithm: LbAlgorithm,
 }
 
 impl ModelConfig {
@@ -110,6 +115,7 @@ pub fn build(snapshot: &Snapshot, config: &ModelConfig) -> (DesiredState, Vec<Ob
         state.backend_sets.extend(part.backend_sets);
         state.source_ranges.extend(part.source_ranges);
         state.cluster_ips.extend(part.cluster_ips);
+        state.maglev.extend(part.maglev);
         // Services come in namespace/name order: the first claim holds a port.
         for (port, check) in part.health_checks {
             state.health_checks.entry(port).or_insert(check);

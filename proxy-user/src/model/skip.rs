@@ -38,6 +38,8 @@ pub enum SkipReason {
     PortOutOfRange,
     UnknownProtocol,
     UnknownIpMode,
+    /// An `ebpf-proxy.io/lb-algorithm` annotation naming no algorithm.
+    UnknownLbAlgorithm,
     /// A frontend another Service is served on (`precedence`).
     FrontendConflict,
     /// A slice without a Service (no label, or no such Service).
@@ -57,6 +59,7 @@ impl SkipReason {
             SkipReason::PortOutOfRange => "port_out_of_range",
             SkipReason::UnknownProtocol => "unknown_protocol",
             SkipReason::UnknownIpMode => "unknown_ip_mode",
+            SkipReason::UnknownLbAlgorithm => "unknown_lb_algorithm",
             SkipReason::FrontendConflict => "frontend_conflict",
             SkipReason::MissingService => "missing_service",
             SkipReason::Duplicate => "duplicate",

@@ -267,6 +267,7 @@ fn node_cfg() -> ModelConfig {
         masquerade_all: false,
         localhost_node_ports: false,
         service_cidrs: vec!["10.96.0.0/12".parse().unwrap()],
+        lb_algorithm: LbAlgorithm::Random,
     }
 }
 
@@ -652,4 +653,62 @@ fn a_services_own_cluster_ip_listed_as_its_external_ip_stays_a_cluster_ip() {
     let (state, errors) = build(&Snapshot::from_yaml(yaml), &cfg());
     assert!(errors.is_empty(), "{errors:?}");
     assert_eq!(frontends_at(&state, "10.96.0.1", 80).iter().map(|f| f.0).collect::<Vec<_>>(), [KIND_CLUSTER_IP, KIND_CLUSTER_IP]);
+}
+
+/// `web` with an `ebpf-proxy.io/lb-algorithm` annotation (none if empty).
+fn web_with_algorithm(value: &str) -> String {
+    let annotation =
+        if value.is_empty() { String::new() } else { format!(", annotations: {{{LB_ALGORITHM_ANNOTATION}: {value}}}") };
+    WEB.replace("metadata: {name: web, namespace: shop}", &format!("metadata: {{name: web, namespace: shop{annotation}}}"))
+}
+
+fn maglev_frontends(state: &DesiredState) -> usize {
+    state.frontends.values().filter(|f| f.flags & SVC_MAGLEV != 0).count()
+}
+
+#[test]
+fn the_lb_algorithm_annotation_flags_a_services_frontends_and_sets() {
+    let (state, errors) = build(&Snapshot::from_yaml(&web_with_algorithm("maglev")), &cfg());
+    assert!(errors.iter().all(|e| e.why != SkipReason::UnknownLbAlgorithm));
+    assert_eq!(maglev_frontends(&state), state.frontends.len());
+    assert_eq!(state.maglev.len(), 2, "both ports' sets: {:?}", state.maglev);
+    assert!(state.maglev.iter().all(|set| state.wants_maglev_table(set)));
+
+    let (state, _) = build(&Snapshot::from_yaml(&web_with_algorithm("")), &cfg());
+    assert_eq!((maglev_frontends(&state), state.maglev.len()), (0, 0), "random by default");
+
+    // The flag sets the default; the annotation still decides.
+    let maglev_default = ModelConfig { lb_algorithm: LbAlgorithm::Maglev, ..cfg() };
+    let (state, _) = build(&Snapshot::from_yaml(&web_with_algorithm("")), &maglev_default);
+    assert_eq!((maglev_frontends(&state), state.maglev.len()), (state.frontends.len(), 2));
+    let (state, _) = build(&Snapshot::from_yaml(&web_with_algorithm("random")), &maglev_default);
+    assert_eq!((maglev_frontends(&state), state.maglev.len()), (0, 0));
+}
+
+#[test]
+fn an_unknown_lb_algorithm_is_reported_and_the_default_serves() {
+    for default in [LbAlgorithm::Random, LbAlgorithm::Maglev] {
+        let config = ModelConfig { lb_algorithm: default, ..cfg() };
+        let (state, errors) = build(&Snapshot::from_yaml(&web_with_algorithm("ring-hash")), &config);
+        let bad: Vec<String> = errors.iter().filter(|e| e.why == SkipReason::UnknownLbAlgorithm).map(ToString::to_string).collect();
+        assert_eq!(bad, [format!(
+            "service shop/web: metadata.annotations[ebpf-proxy.io/lb-algorithm]: unknown algorithm \"ring-hash\" \
+             (maglev or random); served with the default, {}",
+            default.name()
+        )]);
+        assert_eq!(backends_of(&state, "shop/web:http"), ["10.244.0.11:8080", "10.244.0.13:8080"], "still served");
+        let maglev = default == LbAlgorithm::Maglev;
+        assert_eq!(maglev_frontends(&state) == state.frontends.len() && !state.frontends.is_empty(), maglev);
+    }
+}
+
+/// A set without endpoints is flagged but gets no table: its frontends
+/// reject before any table would be read.
+#[test]
+fn a_maglev_set_without_endpoints_wants_no_table() {
+    let yaml = web_with_algorithm("maglev");
+    let no_endpoints = &yaml[..yaml.find("---\napiVersion: discovery.k8s.io/v1").unwrap()];
+    let (state, _) = build(&Snapshot::from_yaml(no_endpoints), &cfg());
+    assert_eq!(state.maglev.len(), 2);
+    assert!(state.maglev.iter().all(|set| !state.wants_maglev_table(set)));
 }
