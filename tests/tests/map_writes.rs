@@ -23,6 +23,7 @@ fn load(bpffs: &Bpffs, service_map_entries: u32) -> Result<Maps> {
         ports: SnatPorts::default(),
         sizes: MapSizes { services: ServiceMapSize::from_flag(service_map_entries)?, ..Default::default() },
         features: kernel::probe()?,
+        maglev: Default::default(),
     };
     let (_ebpf, maps) = maps::load_with(&options).context("loading the BPF object")?;
     Ok(maps)
