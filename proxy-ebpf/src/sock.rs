@@ -142,10 +142,11 @@ pub fn translate(ctx: &SockAddrContext, family: Family) -> i32 {
         Err(Miss::Reject) => return refuse(),
         Err(Miss::DropUnallocated) => return FAIL,
     };
-    let Some(lb::Choice { backend, .. }) = lb::choose_backend(&service, &flow(ctx, &service, &tuple), true) else {
+    let cookie = cookie(ctx);
+    let Some(lb::Choice { backend, .. }) = lb::choose_backend(&service, &flow(cookie, &service, &tuple), true) else {
         return if service.flags & SVC_DROP_IF_EMPTY != 0 { FAIL } else { refuse() };
     };
-    let key = SockRevKey { cookie: cookie(ctx), addr: backend.addr, port: backend.port, proto, _pad: [0; 5] };
+    let key = SockRevKey { cookie, addr: backend.addr, port: backend.port, proto, _pad: [0; 5] };
     let frontend = FrontendKey { addr, port, proto, scope: SCOPE_INTERNAL };
     let _ = SOCK_REVNAT.insert(&key, &frontend, BPF_ANY as u64);
     set_user_addr(s, family, &backend.addr);
@@ -158,15 +159,15 @@ pub fn translate(ctx: &SockAddrContext, family: Family) -> i32 {
 /// affinity the node is one client (the unspecified address, as its
 /// AFFINITY key), and Maglev hashes the frontend alone, so every node
 /// connection without a fresh entry gets the same cell; without affinity
-/// the socket's cookie stands for the source, so sockets spread over the
+/// the socket's `cookie` stands for the source, so sockets spread over the
 /// table as they would at random, and an unconnected UDP socket's datagrams
 /// (a sendmsg each) all go to one backend.
 #[inline(always)]
-fn flow(ctx: &SockAddrContext, service: &ServiceEntry, tuple: &CtKey) -> CtKey {
+fn flow(cookie: u64, service: &ServiceEntry, tuple: &CtKey) -> CtKey {
     let mut flow = *tuple;
     if service.affinity_timeout_s == 0 {
         let mut src = [0u8; 16];
-        src[8..].copy_from_slice(&cookie(ctx).to_be_bytes());
+        src[8..].copy_from_slice(&cookie.to_be_bytes());
         flow.src = Addr(src);
     }
     flow
