@@ -408,6 +408,13 @@ pub struct TraceReport {
     pub maglev_cell: u32,
 }
 
+/// What xdp_ingress leaves in a frame's metadata for TC ingress: this
+/// magic, then the skb marks TC is to set, with XDP_HANDOFF_TRANSLATED if
+/// XDP translated the frame (two native-endian u32s).
+pub const XDP_HANDOFF_MAGIC: u32 = 0xeb9f_0a0d;
+pub const XDP_HANDOFF_TRANSLATED: u32 = 1 << 31;
+pub const XDP_HANDOFF_LEN: usize = 8;
+
 pub const TRACE_FROM_CONNTRACK: u32 = 0x100;
 pub const TRACE_NO_MAGLEV_CELL: u32 = u32::MAX;
 pub const MAP_TRACE_REPORT: &str = "TRACE_REPORT";

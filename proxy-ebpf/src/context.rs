@@ -1,15 +1,22 @@
 //! The packet a program works on, as the datapath logic sees it: one trait
-//! that TC's context implements (and XDP's will), so parsing, NAT, SCTP,
-//! ICMP errors, fragments and rejects are written once for every hook, as
+//! that TC's and XDP's contexts implement, so parsing, NAT, SCTP, ICMP
+//! errors, fragments and rejects are written once for every hook, as
 //! Cilium's `ctx_*` overloads serve its skb and XDP programs.
 //!
 //! What stays outside it is the hook's own business: the skb's mark and
-//! `cb`, its socket, redirects (`skb`, `route`, `l2::push_ethernet`).
+//! `cb`, its socket, redirects (`skb`, `route`, `l2::push_ethernet`), and
+//! what a hook does with a translated packet (`hook`).
 //!
 //! Every method is `#[inline(always)]`: the logic is monomorphised per
 //! context and compiles to what direct calls on the context would.
 
-use aya_ebpf::{EbpfContext, bindings::__sk_buff, helpers::bpf_skb_load_bytes, programs::TcContext};
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{BPF_F_MARK_MANGLED_0, __sk_buff},
+    helpers::bpf_skb_load_bytes,
+    programs::{TcContext, XdpContext},
+};
+use proxy_common::csum;
 
 /// The `T` at `off` in the packet, if the linear data holds it (direct
 /// packet access: no helper call; the packet has no alignment, and the
@@ -29,10 +36,12 @@ pub trait PacketContext: EbpfContext {
     /// against the end).
     fn data(&self) -> usize;
     fn data_end(&self) -> usize;
-    /// The whole packet's length, also what lies outside the linear data.
-    fn len(&self) -> u32;
-    /// Makes the first `len` bytes linear, for direct access.
-    fn pull_data(&self, len: u32) -> Result<(), i64>;
+    /// Whether the packet is at least `end` bytes long, also counting what
+    /// lies outside the linear data.
+    fn holds(&self, end: usize) -> bool;
+    /// Makes the first `max` bytes linear (all of a shorter packet), for
+    /// direct access.
+    fn pull_upto(&self, max: usize) -> Result<(), i64>;
     /// A copy of the `T` at `off`, wherever it lies.
     fn load<T>(&self, off: usize) -> Result<T, i64>;
     /// `dst.len()` bytes from `off` into `dst`.
@@ -68,13 +77,17 @@ impl PacketContext for TcContext {
     }
 
     #[inline(always)]
-    fn len(&self) -> u32 {
-        TcContext::len(self)
+    fn holds(&self, end: usize) -> bool {
+        end <= TcContext::len(self) as usize
     }
 
     #[inline(always)]
-    fn pull_data(&self, len: u32) -> Result<(), i64> {
-        TcContext::pull_data(self, len).map(|_| ())
+    fn pull_upto(&self, max: usize) -> Result<(), i64> {
+        let want = core::cmp::min(TcContext::len(self) as usize, max);
+        if TcContext::data(self) + want > TcContext::data_end(self) {
+            TcContext::pull_data(self, want as u32)?;
+        }
+        Ok(())
     }
 
     #[inline(always)]
@@ -119,5 +132,110 @@ impl PacketContext for TcContext {
     #[inline(always)]
     fn protocol(&self) -> u32 {
         unsafe { (*(self.as_ptr() as *const __sk_buff)).protocol }
+    }
+}
+
+/// XDP sees a frame as the driver received it: all of it linear (no
+/// fragments: the agent attaches without multi-buffer support, so the
+/// kernel refuses frames larger than a page), with full checksums (nothing
+/// is CHECKSUM_PARTIAL before the stack), and no helper is needed to read or
+/// write it: every access is a direct one, checked against the end. Kernel
+/// 5.10 has no bpf_xdp_load_bytes/store_bytes.
+impl PacketContext for XdpContext {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        XdpContext::data(self)
+    }
+
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        XdpContext::data_end(self)
+    }
+
+    /// By pointers (the verifier allows no arithmetic on the end pointer,
+    /// so the length is never a number here), with `end` bounded first as
+    /// the verifier wants an offset added to a packet pointer. `end` goes
+    /// through a black box: knowing it, LLVM would drop the checks of later
+    /// reads before it, which the verifier, knowing `end` only as a range,
+    /// cannot follow.
+    #[inline(always)]
+    fn holds(&self, end: usize) -> bool {
+        let end = core::hint::black_box(end);
+        end <= 0xffff && XdpContext::data(self) + end <= XdpContext::data_end(self)
+    }
+
+    /// Everything is linear already.
+    #[inline(always)]
+    fn pull_upto(&self, _max: usize) -> Result<(), i64> {
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn load<T>(&self, off: usize) -> Result<T, i64> {
+        let start = XdpContext::data(self);
+        if start + off + core::mem::size_of::<T>() > XdpContext::data_end(self) {
+            return Err(-1);
+        }
+        Ok(unsafe { core::ptr::read_unaligned((start + off) as *const T) })
+    }
+
+    #[inline(always)]
+    fn load_bytes(&self, off: usize, dst: &mut [u8]) -> Result<(), i64> {
+        let start = XdpContext::data(self);
+        if start + off + dst.len() > XdpContext::data_end(self) {
+            return Err(-1);
+        }
+        // Constant lengths after inlining (addresses, MACs): plain moves.
+        unsafe { core::ptr::copy_nonoverlapping((start + off) as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn store<T>(&self, off: usize, value: &T, _flags: u64) -> Result<(), i64> {
+        let start = XdpContext::data(self);
+        if start + off + core::mem::size_of::<T>() > XdpContext::data_end(self) {
+            return Err(-1);
+        }
+        unsafe { core::ptr::write_unaligned((start + off) as *mut T, core::ptr::read(value)) };
+        Ok(())
+    }
+
+    /// RFC 1624's incremental update in place, as the kernel's helper does
+    /// for a full checksum: the pseudo-header flag changes nothing there.
+    /// UDP's "no checksum" (0) stays 0, and a sum that comes out 0 is sent
+    /// as 0xffff.
+    #[inline(always)]
+    fn l4_csum_replace(&self, off: usize, from: u64, to: u64, flags: u64) -> Result<(), i64> {
+        let field: [u8; 2] = PacketContext::load(self, off)?;
+        let mangled_0 = flags & BPF_F_MARK_MANGLED_0 as u64 != 0;
+        if mangled_0 && field == [0, 0] {
+            return Ok(());
+        }
+        // The helper takes the values as they lie in the packet (network
+        // order in memory): the same bytes here.
+        let updated = if flags & 0xf == 4 {
+            csum::replace4(field, (from as u32).to_ne_bytes(), (to as u32).to_ne_bytes())
+        } else {
+            csum::replace2(field, (from as u16).to_ne_bytes(), (to as u16).to_ne_bytes())
+        };
+        let updated = if mangled_0 && updated == [0, 0] { [0xff, 0xff] } else { updated };
+        PacketContext::store(self, off, &updated, 0)
+    }
+
+    /// XDP cannot resize a frame's tail here (rejects are left to TC).
+    #[inline(always)]
+    fn change_tail(&self, _len: u32, _flags: u64) -> Result<(), i64> {
+        Err(-1)
+    }
+
+    #[inline(always)]
+    fn checksum_is_partial(&self, _off: usize) -> Result<bool, i64> {
+        Ok(false)
+    }
+
+    /// The Ethernet header's type (XDP runs on Ethernet devices only).
+    #[inline(always)]
+    fn protocol(&self) -> u32 {
+        PacketContext::load::<u16>(self, crate::headers::ETH_TYPE_OFF).map(u32::from).unwrap_or(0)
     }
 }

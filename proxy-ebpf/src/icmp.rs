@@ -143,7 +143,7 @@ fn parse<F: Family>(ctx: &impl PacketContext) -> Option<Error> {
     // Every error quotes at least the first 8 bytes of the L4 header.
     let sport: u16 = ctx.load(inner_l4).ok()?;
     let dport: u16 = ctx.load(inner_l4 + 2).ok()?;
-    let inner_csum = csum_field.map(|f| inner_l4 + f).filter(|off| off + 2 <= ctx.len() as usize);
+    let inner_csum = csum_field.map(|f| inner_l4 + f).filter(|off| ctx.holds(off + 2));
     Some(Error {
         quoted: CtKey { src, dst, sport, dport, proto, _pad: [0; 3] },
         outer_src,

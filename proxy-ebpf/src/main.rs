@@ -1,6 +1,8 @@
 //! The datapath: parse -> conntrack -> service lookup -> backend choice ->
 //! NAT rewrite -> verdict. One program, attached at TC ingress of every node
-//! interface, so the kernel routes the translated packet.
+//! interface, so the kernel routes the translated packet; the same
+//! decisions run in XDP on the external devices (`--xdp-devices`, see
+//! `hook` and `xdp`).
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
@@ -14,6 +16,8 @@ mod family;
 mod fragment;
 #[cfg(target_arch = "bpf")]
 mod headers;
+#[cfg(target_arch = "bpf")]
+mod hook;
 #[cfg(target_arch = "bpf")]
 mod icmp;
 #[cfg(target_arch = "bpf")]
@@ -42,13 +46,16 @@ mod skb;
 mod sock;
 #[cfg(target_arch = "bpf")]
 mod trace;
+#[cfg(target_arch = "bpf")]
+mod xdp;
 
 #[cfg(target_arch = "bpf")]
 mod program {
     use aya_ebpf::{
         bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
-        macros::{cgroup_sock_addr, classifier},
-        programs::{SockAddrContext, TcContext},
+        bindings::xdp_action::XDP_PASS,
+        macros::{cgroup_sock_addr, classifier, xdp},
+        programs::{SockAddrContext, TcContext, XdpContext},
     };
     use aya_ebpf::{bindings::BPF_F_INGRESS, helpers::bpf_redirect};
     use proxy_common::{
@@ -66,10 +73,14 @@ mod program {
         headers::{TCP_SEQ_OFF, TCP_ACK_OFF, TCP_RST},
         family::{Family, V4, V6},
         fragment,
+        hook::Hook,
         lb::{self, Miss},
         icmp,
-        maps::{FRAGMENT_PROGRAMS, ICMP_PROGRAMS, IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, REJECT_BUDGETS, REJECT_PROGRAMS, count},
-        masquerade, nat, packet, parse, reject, route, skb, sock, trace,
+        maps::{
+            FRAGMENT_PROGRAMS, ICMP_PROGRAMS, IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, REJECT_BUDGETS, REJECT_PROGRAMS,
+            count,
+        },
+        masquerade, nat, packet, parse, reject, route, skb, sock, trace, xdp as xdp_handoff,
     };
 
     /// Leaves the packet to whatever runs next (TCX_NEXT / TC_ACT_UNSPEC).
@@ -78,16 +89,36 @@ mod program {
 
     #[classifier]
     pub fn tc_ingress(ctx: TcContext) -> i32 {
+        // Decided by xdp_ingress already: only its marks are left to set.
+        if let Some(marks) = xdp_handoff::translated_marks(&ctx) {
+            if marks != 0 {
+                set_mark(&ctx, marks);
+            }
+            return TC_ACT_OK as i32;
+        }
         if skb::is_ipv6(&ctx) {
             return to_ipv6::<false>(&ctx, IPV6_PROG_INGRESS);
         }
-        ingress::<false, V4>(&ctx)
+        ingress::<false, V4, _>(&ctx)
     }
 
     /// `tc_ingress` for IPv6 frames, reached by tail call from it.
     #[classifier]
     pub fn tc_ingress6(ctx: TcContext) -> i32 {
-        ingress::<false, V6>(&ctx)
+        ingress::<false, V6, _>(&ctx)
+    }
+
+    /// Ingress's decisions in XDP, on the external devices: what it
+    /// translates goes up the stack with its marks for TC (see `xdp`); what
+    /// it cannot finish, untouched to TC. IPv4 only: IPv6 frames go to TC
+    /// (in XDP, LLVM spills IPv6's byte-wise address copies into a frame
+    /// of 584 bytes, past the kernel's 512).
+    #[xdp]
+    pub fn xdp_ingress(ctx: XdpContext) -> u32 {
+        if !xdp_handoff::is_ipv4(&ctx) || !xdp_handoff::reserve_handoff(&ctx) {
+            return XDP_PASS;
+        }
+        ingress::<false, V4, _>(&ctx) as u32
     }
 
     /// `ebpf-proxy trace`: the same decisions on a synthetic packet (run with
@@ -98,12 +129,12 @@ mod program {
         if skb::is_ipv6(&ctx) {
             return to_ipv6::<true>(&ctx, IPV6_PROG_TRACE);
         }
-        ingress::<true, V4>(&ctx)
+        ingress::<true, V4, _>(&ctx)
     }
 
     #[classifier]
     pub fn tc_trace6(ctx: TcContext) -> i32 {
-        ingress::<true, V6>(&ctx)
+        ingress::<true, V6, _>(&ctx)
     }
 
     /// Hands an IPv6 frame to the IPv6 program in `slot`. A tail call, not a
@@ -160,10 +191,11 @@ mod program {
     }
 
     #[inline(always)]
-    fn ingress<const TRACE: bool, F: Family>(ctx: &TcContext) -> i32 {
+    fn ingress<const TRACE: bool, F: Family, H: Hook>(ctx: &H) -> i32 {
         let parsed = parse::parse::<F>(ctx);
         let pkt = match parsed {
             Ok(pkt) => pkt,
+            Err(_) if !H::FINISHES_ALL => return H::NOT_OURS,
             Err(reason) => {
                 if !TRACE && reason == Counter::Passed && icmp::ip_protocol::<F>(ctx).is_some() {
                     // An IP protocol parse leaves alone (ICMP, GRE, ESP...):
@@ -179,6 +211,9 @@ mod program {
                 return NOT_OURS;
             }
         };
+        if !H::FINISHES_ALL && pkt.fragment != fragment::NOT_FRAGMENT {
+            return H::NOT_OURS;
+        }
         if !TRACE && pkt.fragment == fragment::FIRST {
             fragment::remember_first::<F>(ctx, &pkt);
         }
@@ -189,8 +224,11 @@ mod program {
             let direction = ct.direction;
             match direction {
                 CT_REPLY => {
+                    if !H::FINISHES_ALL && ct.flags & CT_NODE != 0 {
+                        return H::NOT_OURS;
+                    }
                     if !TRACE && ct.flags & CT_PENDING != 0 {
-                        let Some(seen) = see_unconfirmed_reply(ctx, &pkt, ct) else { return NOT_OURS };
+                        let Some(seen) = see_unconfirmed_reply(ctx, &pkt, ct) else { return H::NOT_OURS };
                         ct = seen;
                     }
                     if !TRACE {
@@ -204,7 +242,7 @@ mod program {
                             unsafe { NODE_PROGRAMS.tail_call(ctx, NODE_PROG_INGRESS_REPLY) }
                         };
                         note::<TRACE>(Counter::RewriteFailed);
-                        return DROP;
+                        return H::DROP;
                     }
                     let mut done = Ok(());
                     if ct.flags & CT_MASQUERADE != 0 {
@@ -212,15 +250,15 @@ mod program {
                         done = nat::rewrite_dst::<F>(ctx, &pkt, &ct.rev_addr, ct.rev_port);
                     }
                     // The source becomes the frontend at egress, after routing.
-                    set_mark(ctx, REVERSE_NAT_MARK);
-                    return verdict::<TRACE>(done, Counter::Reply);
+                    ctx.add_mark(REVERSE_NAT_MARK);
+                    return finish::<TRACE, F, H>(ctx, &pkt, done, Counter::Reply);
                 }
                 CT_ORIGINAL if lb::backend_still_matches(ct, !TRACE) => {
                     let acked = || ctx.load::<u32>(pkt.l4_off + TCP_ACK_OFF).ok();
                     if !TRACE && ct.flags & CT_PENDING != 0 && conntrack::completes_handshake(ct, &pkt, acked) {
                         if let Some(flow) = Confirming::of_original(&pkt.tuple, ct) {
                             flow.confirm();
-                            let Some(moved) = conntrack::lookup_mut(&pkt.tuple) else { return NOT_OURS };
+                            let Some(moved) = conntrack::lookup_mut(&pkt.tuple) else { return H::NOT_OURS };
                             ct = moved;
                         }
                     }
@@ -228,27 +266,28 @@ mod program {
                         conntrack::touch(ct, pkt.closes_connection());
                     }
                     if ct.flags & CT_MASQUERADE != 0 {
-                        set_mark(ctx, MASQUERADE_MARK);
+                        ctx.add_mark(MASQUERADE_MARK);
                     }
-                    return verdict::<TRACE>(nat::rewrite_dst::<F>(ctx, &pkt, &ct.nat_addr, ct.nat_port), Counter::Established);
+                    let done = nat::rewrite_dst::<F>(ctx, &pkt, &ct.nat_addr, ct.nat_port);
+                    return finish::<TRACE, F, H>(ctx, &pkt, done, Counter::Established);
                 }
                 // The backend is gone: choose again below, so the flow moves to a
                 // live backend instead of black-holing.
                 _ => {
                     note::<TRACE>(Counter::Rebalanced);
-                    return new_flow::<TRACE, F, false>(ctx, &pkt, true);
+                    return new_flow::<TRACE, F, false, H>(ctx, &pkt, true);
                 }
             }
         }
 
-        new_flow::<TRACE, F, false>(ctx, &pkt, false)
+        new_flow::<TRACE, F, false, H>(ctx, &pkt, false)
     }
 
     /// A reply of an unconfirmed flow: it confirms the flow if it may (see
     /// `conntrack`), and the entry to go on with is returned (None: gone).
     #[inline(always)]
     fn see_unconfirmed_reply<'a>(
-        ctx: &TcContext,
+        ctx: &impl Hook,
         pkt: &'a packet::Packet,
         ct: &'a mut proxy_common::CtEntry,
     ) -> Option<&'a mut proxy_common::CtEntry> {
@@ -275,8 +314,8 @@ mod program {
     /// back into the node's own stack). `known`: the flow has an entry,
     /// whose backend went away.
     #[inline(always)]
-    fn new_flow<const TRACE: bool, F: Family, const NODE: bool>(
-        ctx: &TcContext,
+    fn new_flow<const TRACE: bool, F: Family, const NODE: bool, H: Hook>(
+        ctx: &H,
         pkt: &packet::Packet,
         known: bool,
     ) -> i32 {
@@ -286,21 +325,21 @@ mod program {
             Err(Miss::NotOurs) => {
                 // Ingress counts what it passes; a node's own packets are not
                 // counted twice.
-                if !NODE {
+                if !NODE && H::FINISHES_ALL {
                     note::<TRACE>(Counter::Passed);
                 }
-                return NOT_OURS;
+                return H::NOT_OURS;
             }
-            Err(Miss::Reject) => return reject_packet::<TRACE, F, NODE>(ctx, pkt),
+            Err(Miss::Reject) => return ctx.reject::<TRACE, F, NODE>(pkt),
             Err(Miss::DropUnallocated) => {
                 note::<TRACE>(Counter::DropUnallocated);
-                return DROP;
+                return H::DROP;
             }
         };
         trace::record::<TRACE>(service.service_id, 0, scope as u32);
         if service.flags & SVC_SOURCE_RANGES != 0 && !lb::source_allowed(&service, &pkt.tuple.src) {
             note::<TRACE>(Counter::DropSourceRange);
-            return DROP;
+            return H::DROP;
         }
         // Only a connection's opening (or any UDP datagram) starts a flow:
         // a stray segment never gets a backend, nor evicts anything. (To a
@@ -308,16 +347,20 @@ mod program {
         // REJECT rule sees it too.)
         if !known && !pkt.may_open_flow() && service.backend_count != 0 {
             note::<TRACE>(Counter::CtOutOfState);
-            return DROP;
+            return H::DROP;
         }
         let epoch = lb::backends_epoch();
         let Some(lb::Choice { backend_id, backend, sticky, maglev_cell }) = lb::choose_backend(&service, &pkt.tuple, !TRACE) else {
             if service.flags & SVC_DROP_IF_EMPTY != 0 {
                 note::<TRACE>(Counter::DropNoLocal);
-                return DROP;
+                return H::DROP;
+            }
+            if !H::FINISHES_ALL {
+                // TC rejects it, and counts.
+                return H::NOT_OURS;
             }
             note::<TRACE>(Counter::NoBackend);
-            return reject_packet::<TRACE, F, NODE>(ctx, pkt);
+            return ctx.reject::<TRACE, F, NODE>(pkt);
         };
         if sticky {
             note::<TRACE>(Counter::AffinityHit);
@@ -331,7 +374,7 @@ mod program {
             let mut ct_flags = if masquerade { CT_MASQUERADE } else { 0 };
             if NODE {
                 ct_flags |= CT_NODE;
-                if skb::ifindex(ctx) == LOOPBACK_IFINDEX {
+                if ctx.ifindex() == LOOPBACK_IFINDEX {
                     ct_flags |= CT_LOOPBACK;
                 }
             }
@@ -344,9 +387,9 @@ mod program {
         }
         if masquerade {
             note::<TRACE>(Counter::Masqueraded);
-            set_mark(ctx, MASQUERADE_MARK);
+            ctx.add_mark(MASQUERADE_MARK);
         }
-        verdict::<TRACE>(nat::rewrite_dst::<F>(ctx, pkt, &backend.addr, backend.port), Counter::NewFlow)
+        finish::<TRACE, F, H>(ctx, pkt, nat::rewrite_dst::<F>(ctx, pkt, &backend.addr, backend.port), Counter::NewFlow)
     }
 
     /// Counts, or in a trace notes the counter in the result.
@@ -674,7 +717,7 @@ mod program {
             known = true;
         }
         // New, or its backend went away.
-        match new_flow::<false, F, true>(ctx, &pkt, known) {
+        match new_flow::<false, F, true, _>(ctx, &pkt, known) {
             NOT_OURS => None,
             verdict => Some(forward::<F>(ctx, &pkt, verdict)),
         }
@@ -776,6 +819,35 @@ mod program {
         ctx.set_mark(crate::skb::mark(ctx) | bits);
     }
 
+    /// TC finishes every packet: what needs another of its programs goes
+    /// there by tail call (see `hook`).
+    impl Hook for TcContext {
+        const NOT_OURS: i32 = NOT_OURS;
+        const DROP: i32 = DROP;
+        const FINISHES_ALL: bool = true;
+
+        #[inline(always)]
+        fn ifindex(&self) -> u32 {
+            skb::ifindex(self)
+        }
+
+        #[inline(always)]
+        fn add_mark(&self, bits: u32) {
+            set_mark(self, bits);
+        }
+
+        /// On through the stack, which routes it.
+        #[inline(always)]
+        fn translated<F: Family>(&self, _pkt: &packet::Packet) -> i32 {
+            TC_ACT_OK as i32
+        }
+
+        #[inline(always)]
+        fn reject<const TRACE: bool, F: Family, const NODE: bool>(&self, pkt: &packet::Packet) -> i32 {
+            reject_packet::<TRACE, F, NODE>(self, pkt)
+        }
+    }
+
     /// REJECT: a RST is never answered; anything else goes to tc_reject(6)
     /// (a trace builds the reject inline, unlimited).
     #[inline(always)]
@@ -851,6 +923,22 @@ mod program {
             Err(_) => {
                 note::<TRACE>(Counter::RejectFailed);
                 DROP
+            }
+        }
+    }
+
+    /// `verdict` for ingress's decisions, in either hook: a translated packet
+    /// goes on as the hook sends it.
+    #[inline(always)]
+    fn finish<const TRACE: bool, F: Family, H: Hook>(ctx: &H, pkt: &packet::Packet, rewrite: Result<(), i64>, counter: Counter) -> i32 {
+        match rewrite {
+            Ok(()) => {
+                note::<TRACE>(counter);
+                ctx.translated::<F>(pkt)
+            }
+            Err(_) => {
+                note::<TRACE>(Counter::RewriteFailed);
+                H::DROP
             }
         }
     }

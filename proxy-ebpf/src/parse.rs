@@ -98,10 +98,7 @@ fn parse_with<F: Family, const IN_PLACE: bool, const FRAGMENTS: bool>(
 #[inline(always)]
 fn ipv4_header<const FRAGMENTS: bool>(ctx: &impl PacketContext) -> Result<Packet, Counter> {
     // Make every header parse may read linear (or the whole packet, if shorter).
-    let want = core::cmp::min(ctx.len() as usize, MAX_IPV4_HEADERS);
-    if ctx.data() + want > ctx.data_end() {
-        ctx.pull_data(want as u32).map_err(|_| Counter::Malformed)?;
-    }
+    ctx.pull_upto(MAX_IPV4_HEADERS).map_err(|_| Counter::Malformed)?;
     let l3_off = l2::l3_off();
     // Read with the next byte: for a one-byte read at an offset the
     // compiler does not know (the link layer's), it turns the bounds check
@@ -112,7 +109,7 @@ fn ipv4_header<const FRAGMENTS: bool>(ctx: &impl PacketContext) -> Result<Packet
         return Err(Counter::Malformed);
     }
     let total_len = u16::from_be(load::<V4, u16>(ctx, l3_off + 2)?) as usize;
-    if total_len < ihl || l3_off + total_len > ctx.len() as usize {
+    if total_len < ihl || !ctx.holds(l3_off + total_len) {
         return Err(Counter::Malformed);
     }
     let frag = u16::from_be(load::<V4, u16>(ctx, l3_off + 6)?);
@@ -140,7 +137,7 @@ fn ipv6_header<const IN_PLACE: bool, const FRAGMENTS: bool>(ctx: &impl PacketCon
     let payload_len = u16::from_be(load::<V6, u16>(ctx, l3_off + 4)?) as usize;
     let l4_off = l3_off + IPV6_HLEN;
     let l4_end = l4_off + payload_len;
-    if l4_end > ctx.len() as usize {
+    if !ctx.holds(l4_end) {
         return Err(Counter::Malformed);
     }
     let proto: u8 = load::<V6, u8>(ctx, l3_off + 6)?;

@@ -112,6 +112,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // addresses come in time (new programs then start on full maps).
     let cgroup_root = cgroup::resolve_root_or_warn(args.cgroup_root.as_deref())?;
     let hooks = cgroup_root.is_some();
+    let xdp = crate::xdp::XdpSettings::from_flags(&args.xdp_devices, args.xdp_mode, args.devices.as_deref())?;
+    let load_xdp = xdp.is_some();
     let (verified_tx, mut verifying) = oneshot::channel();
     std::thread::Builder::new().name("verifier".into()).spawn(move || {
         // The verifier's CPU comes after the reading and the first sync's
@@ -127,6 +129,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             if hooks {
                 cgroup::load(&mut ebpf)?;
+            }
+            if load_xdp {
+                crate::xdp::load(&mut ebpf)?;
             }
             Ok(ebpf)
         })();
@@ -156,7 +161,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         cgroup::attach(&mut ebpf, &args.bpffs_root, root)?;
     }
     crate::sysctl::accept_local_on_loopback_or_warn(&args.sysctl_root);
-    let attacher = Attacher::new(ebpf, options, mode, args.devices.clone())?;
+    let attacher = Attacher::new(ebpf, options, mode, args.devices.clone(), xdp)?;
     let (ready_tx, ready_rx) = oneshot::channel();
     let mut attach_task = tokio::spawn(attacher.run(ready_tx));
     if ready_rx.await.is_err() {

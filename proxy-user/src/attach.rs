@@ -20,6 +20,9 @@
 //!   netlink at a fixed priority and handle (`NETLINK_PRIORITY`,
 //!   `NETLINK_HANDLE`); a restart replaces that filter's program in place.
 //!   Filters belong to the interface, so nothing is pinned for them.
+//!
+//! The `--xdp-devices` among them also get xdp_ingress (see crate::xdp),
+//! after their TC programs.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -46,6 +49,7 @@ use tracing::{debug, info, warn};
 use crate::{
     cli::TcAttachMode,
     maps::{self, LinkKind, LoadOptions, TC_EGRESS, TC_INGRESS, links_dir},
+    xdp::{self, XdpSettings},
 };
 
 /// A TC program, the hook it runs at, and the prefix of its link pins.
@@ -169,7 +173,11 @@ pub struct Attacher {
     /// Only these interfaces (and loopback's egress); `None`: every
     /// interface.
     devices: Option<Vec<String>>,
+    /// `--xdp-devices`, if XDP is on.
+    xdp: Option<XdpSettings>,
     attached: BTreeMap<u32, String>,
+    /// The interfaces xdp_ingress is on.
+    xdp_attached: BTreeSet<u32>,
     /// Interfaces of a link type we leave alone, logged once each.
     unsupported: BTreeSet<u32>,
 }
@@ -177,7 +185,14 @@ pub struct Attacher {
 impl Attacher {
     /// `ebpf` with the TC programs loaded (`maps::load_tc`), as loaded with
     /// `options` (which load the L3 copy if needed).
-    pub fn new(ebpf: Ebpf, options: LoadOptions, mode: AttachMode, devices: Option<Vec<String>>) -> Result<Self> {
+    /// With `xdp`, `ebpf` has xdp_ingress loaded too (`xdp::load`).
+    pub fn new(
+        ebpf: Ebpf,
+        options: LoadOptions,
+        mode: AttachMode,
+        devices: Option<Vec<String>>,
+        xdp: Option<XdpSettings>,
+    ) -> Result<Self> {
         let root = options.root.clone();
         let links = links_dir(&root);
         std::fs::create_dir_all(&links).with_context(|| format!("create {}", links.display()))?;
@@ -189,7 +204,9 @@ impl Attacher {
             root,
             links,
             devices,
+            xdp,
             attached: BTreeMap::new(),
+            xdp_attached: BTreeSet::new(),
             unsupported: BTreeSet::new(),
         })
     }
@@ -266,6 +283,28 @@ impl Attacher {
             );
         }
         self.attached.insert(iface.index, iface.name.clone());
+        if self.xdp.as_ref().is_some_and(|x| x.wants(&iface.name)) {
+            self.attach_xdp(iface)?;
+        }
+        Ok(())
+    }
+
+    /// xdp_ingress, in front of the TC programs just attached. Only on
+    /// Ethernet: it reads Ethernet frames.
+    fn attach_xdp(&mut self, iface: &Interface) -> Result<()> {
+        let Some(settings) = &self.xdp else { return Ok(()) };
+        if iface.kind != LinkKind::Ethernet {
+            warn!(interface = %iface.name, "--xdp-devices: not an Ethernet device, XDP not attached (its TC programs serve it)");
+            return Ok(());
+        }
+        let pin = self.pin_path(xdp::PIN_PREFIX, iface.index);
+        let how = xdp::attach(&mut self.ebpf, &pin, iface.index, &iface.name, settings.mode)?;
+        let (adopted, mode) = match how {
+            xdp::Attached::Adopted => (true, "as before"),
+            xdp::Attached::New(mode) => (false, mode),
+        };
+        info!(interface = %iface.name, ifindex = iface.index, hook = "xdp", adopted, mode, "attached");
+        self.xdp_attached.insert(iface.index);
         Ok(())
     }
 
@@ -355,21 +394,30 @@ impl Attacher {
     fn forget(&mut self, ifindex: u32) {
         crate::clsact::forget(&self.root, ifindex);
         self.unsupported.remove(&ifindex);
+        self.xdp_attached.remove(&ifindex);
         if let Some(name) = self.attached.remove(&ifindex) {
-            for (_, _, hook) in HOOKS {
+            for hook in HOOKS.iter().map(|(_, _, hook)| *hook).chain([xdp::PIN_PREFIX]) {
                 let _ = std::fs::remove_file(self.pin_path(hook, ifindex));
             }
             info!(interface = %name, ifindex, "interface gone");
         }
     }
 
-    /// Pins for interfaces that no longer exist.
+    /// Pins for interfaces that no longer exist, and XDP links of
+    /// interfaces no longer in --xdp-devices (unpinned, the kernel detaches
+    /// them).
     fn remove_stale_pins(&self) {
         let Ok(entries) = std::fs::read_dir(&self.links) else { return };
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let ifindex = name.split_once('-').and_then(|(_, i)| i.parse::<u32>().ok());
-            if ifindex.is_some_and(|i| !self.attached.contains_key(&i)) {
+            let Some((hook, ifindex)) = name.split_once('-').and_then(|(h, i)| Some((h, i.parse::<u32>().ok()?))) else {
+                continue;
+            };
+            let kept = if hook == xdp::PIN_PREFIX { &self.xdp_attached.contains(&ifindex) } else { &self.attached.contains_key(&ifindex) };
+            if !kept {
+                if hook == xdp::PIN_PREFIX {
+                    info!(ifindex, "XDP detached: the interface is not in --xdp-devices");
+                }
                 let _ = std::fs::remove_file(e.path());
             }
         }
@@ -400,6 +448,11 @@ impl Attacher {
                 if !self.attached.values().any(|n| n == d) {
                     warn!(device = %d, "--devices names an interface that does not exist (yet); it will be attached when it appears");
                 }
+            }
+        }
+        for d in self.xdp.iter().flat_map(|x| &x.devices) {
+            if !self.attached.values().any(|n| n == d) {
+                warn!(device = %d, "--xdp-devices names an interface that does not exist (yet); XDP goes on it when it appears");
             }
         }
         let _ = ready.send(());

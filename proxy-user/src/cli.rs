@@ -59,6 +59,19 @@ pub enum TcAttachMode {
     Netlink,
 }
 
+/// `--xdp-mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum XdpAttachMode {
+    /// Native where the driver has it, else generic.
+    Auto,
+    /// In the driver (veth, most 10G+ NICs); refused where it has none.
+    Native,
+    /// In the stack, after the skb is built: any device, less gain.
+    Generic,
+    /// No XDP, whatever --xdp-devices says.
+    Off,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DumpWhat {
     Services,
@@ -83,6 +96,14 @@ pub struct RunArgs {
     /// always attached (the node's own packets to its own NodePorts).
     #[arg(long, value_delimiter = ',', value_name = "IFACE[,IFACE]")]
     pub devices: Option<Vec<String>>,
+    /// Also run the translation in XDP on these interfaces, before TC: the
+    /// external ones, where NodePort, ExternalIP and LoadBalancer traffic
+    /// comes in. IPv4 TCP, UDP and SCTP; anything else goes on to TC.
+    #[arg(long, value_delimiter = ',', value_name = "IFACE[,IFACE]")]
+    pub xdp_devices: Vec<String>,
+    /// How XDP is attached to --xdp-devices.
+    #[arg(long, value_enum, default_value = "auto", env = "EBPF_PROXY_XDP_MODE")]
+    pub xdp_mode: XdpAttachMode,
     /// Where maps and links are pinned. One agent per directory: a second
     /// one on it refuses to start.
     #[arg(long, default_value = DEFAULT_BPFFS_ROOT)]

@@ -32,3 +32,4 @@ pub mod source;
 pub mod sysctl;
 pub mod topology;
 pub mod trace;
+pub mod xdp;

@@ -3,16 +3,21 @@
 //! frame, program and skb mark, verdict, expected output frame and mark,
 //! counters that must move) run through BPF_PROG_TEST_RUN, printed as a
 //! table. Also single runs timed by the kernel, for benchmarks.
+//!
+//! The same tables run through `xdp_ingress` in front of `tc_ingress`
+//! (`run_table_through_xdp`), as a node with `--xdp-devices` runs them: a
+//! case's expectations are what the node must do either way, and each case
+//! XDP can finish must have been decided in XDP.
 
 use std::{fmt::Write as _, time::Duration};
 
 use anyhow::{Context, Result};
 use aya::{
     Ebpf,
-    programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
+    programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions, Xdp},
 };
-use proxy_common::Counter;
-use proxy_user::maps::{self, Maps, TC_EGRESS, TC_INGRESS};
+use proxy_common::{Counter, XDP_HANDOFF_LEN, XDP_HANDOFF_MAGIC, XDP_HANDOFF_TRANSLATED};
+use proxy_user::maps::{self, Maps, TC_EGRESS, TC_INGRESS, XDP_INGRESS};
 
 use crate::{bpffs::Bpffs, frames, is_root};
 
@@ -22,6 +27,8 @@ pub const TC_ACT_SHOT: u32 = 2;
 pub const TC_ACT_UNSPEC: u32 = u32::MAX;
 /// bpf_redirect(): a REJECT goes back out the interface it came in on.
 pub const TC_ACT_REDIRECT: u32 = 7;
+pub const XDP_DROP: u32 = 1;
+pub const XDP_PASS: u32 = 2;
 
 pub struct Fixture {
     // Fields drop in order: the program and maps go before the bpffs unmounts.
@@ -43,6 +50,33 @@ impl Fixture {
         // Every source in-cluster, so the tables need internal frontends only.
         maps.write_node_config(&Default::default(), &["0.0.0.0/0".parse()?]).context("node settings")?;
         Ok(Fixture { ebpf, maps, _bpffs: bpffs })
+    }
+
+    /// As `new`, with `xdp_ingress` through the verifier too.
+    pub fn with_xdp(label: &str, install: impl FnOnce(&mut Maps) -> Result<()>) -> Result<Fixture> {
+        let mut fx = Fixture::new(label, install)?;
+        proxy_user::xdp::load(&mut fx.ebpf).context("verifier accepts xdp_ingress")?;
+        Ok(fx)
+    }
+
+    /// One BPF_PROG_TEST_RUN of `xdp_ingress`: its verdict, the frame it
+    /// left, and the handoff it left for TC: the marks, if it translated
+    /// the frame (`None`: left to TC).
+    pub fn run_xdp(&self, input: &[u8]) -> Result<(u32, Vec<u8>, Option<u32>), ProgramError> {
+        let prog: &Xdp = self.ebpf.program(XDP_INGRESS).unwrap().try_into().unwrap();
+        let mut out = vec![0u8; input.len() + 256];
+        let res = prog.test_run(TestRunOptions { data_in: Some(input), data_out: Some(&mut out), ..TestRunOptions::new() })?;
+        out.truncate(res.data_size_out as usize);
+        // The kernel hands back the metadata in front of the frame.
+        let handoff = if out.len() == input.len() + XDP_HANDOFF_LEN {
+            let word = |i: usize| u32::from_ne_bytes(out[i..i + 4].try_into().unwrap());
+            let (magic, marks) = (word(0), word(4));
+            out.drain(..XDP_HANDOFF_LEN);
+            (magic == XDP_HANDOFF_MAGIC && marks & XDP_HANDOFF_TRANSLATED != 0).then_some(marks & !XDP_HANDOFF_TRANSLATED)
+        } else {
+            None
+        };
+        Ok((res.return_value, out, handoff))
     }
 
     fn program(&self, name: &str) -> &SchedClassifier {
@@ -162,14 +196,73 @@ struct Row {
 /// A translated frame is also verified independently of the program: its
 /// checksums recomputed by `frames::recheck`.
 pub fn run_table(fx: &Fixture, title: &str, cases: Vec<Case>) {
+    run_cases(fx, title, cases, |fx, case| {
+        let program = if case.egress_mark.is_some() { TC_EGRESS } else { TC_INGRESS };
+        fx.run(program, &case.input, case.egress_mark.unwrap_or(0)).map(|(v, out, mark)| (v, out, mark, None))
+    })
+}
+
+/// The cases `xdp_ingress` must finish itself: an IPv4 TCP, UDP or SCTP
+/// packet, not a fragment, that TC translates into a new flow, an
+/// established one or a reply, or drops by a frontend's rule. (Rejects,
+/// fragments, ICMP, IPv6 and node sockets' replies are TC's.)
+fn xdp_finishes(case: &Case) -> bool {
+    use Counter::*;
+    let ipv4_l4 = frames::is_ipv4_l4_unfragmented(&case.input);
+    let translated = case.verdict == TC_ACT_OK
+        && case.counters.iter().any(|c| matches!(c, NewFlow | Established | Reply | Rebalanced))
+        && !case.counters.iter().any(|c| matches!(c, IcmpErrorTranslated | Fragment | NodeEgress));
+    let dropped = case.verdict == TC_ACT_SHOT
+        && !case.counters.is_empty()
+        && case.counters.iter().all(|c| matches!(c, DropUnallocated | DropSourceRange | DropNoLocal | CtOutOfState));
+    case.egress_mark.is_none() && ipv4_l4 && (translated || dropped)
+}
+
+/// `run_table` as a node with `--xdp-devices` runs each ingress case:
+/// `xdp_ingress` first; a frame it leaves to TC goes through `tc_ingress`
+/// unchanged, and one it translated gets only the marks it handed over.
+/// The outcome must be what the case wants of TC alone, and each case XDP
+/// can finish (`xdp_finishes`) must have been finished there. Egress cases
+/// run through `tc_egress` as before (XDP has no egress).
+pub fn run_table_through_xdp(fx: &Fixture, title: &str, cases: Vec<Case>) {
+    run_cases(fx, &format!("{title} (XDP, then TC)"), cases, |fx, case| {
+        if let Some(mark) = case.egress_mark {
+            return fx.run(TC_EGRESS, &case.input, mark).map(|(v, out, mark)| (v, out, mark, None));
+        }
+        let (verdict, out, handoff) = fx.run_xdp(&case.input)?;
+        let must = xdp_finishes(case);
+        let in_xdp = |done: bool| match (done, must) {
+            (true, false) => "XDP decided a case that is TC's",
+            (false, true) => "left to TC a case XDP must finish",
+            _ => "",
+        };
+        Ok(match (verdict, handoff) {
+            (XDP_DROP, _) => (TC_ACT_SHOT, out, 0, Some(in_xdp(true))),
+            (XDP_PASS, Some(marks)) => (TC_ACT_OK, out, marks, Some(in_xdp(true))),
+            (XDP_PASS, None) if out == case.input => {
+                let (v, out, mark) = fx.run(TC_INGRESS, &case.input, 0)?;
+                (v, out, mark, Some(in_xdp(false)))
+            }
+            (v, _) => (v, out, 0, Some("XDP passed a frame it changed without a handoff, or gave another verdict")),
+        })
+    })
+}
+
+/// What one case's run gave: verdict, frame, mark, and for XDP runs a
+/// problem with which hook decided it ("" none).
+type Outcome = (u32, Vec<u8>, u32, Option<&'static str>);
+
+fn run_cases(fx: &Fixture, title: &str, cases: Vec<Case>, run: impl Fn(&Fixture, &Case) -> Result<Outcome, ProgramError>) {
     let mut rows = Vec::new();
     for case in cases {
         let before = fx.counters();
         let mut row = Row { what: case.what.clone(), want: case.verdict, got: None, problems: Vec::new() };
-        let program = if case.egress_mark.is_some() { TC_EGRESS } else { TC_INGRESS };
-        match fx.run(program, &case.input, case.egress_mark.unwrap_or(0)) {
+        match run(fx, &case) {
             Err(e) => row.problems.push(format!("BPF_PROG_TEST_RUN failed: {}", error_chain(&e))),
-            Ok((verdict, out, mark)) => {
+            Ok((verdict, out, mark, hook_problem)) => {
+                if let Some(problem) = hook_problem.filter(|p| !p.is_empty()) {
+                    row.problems.push(problem.to_string());
+                }
                 if let Some(want) = case.mark
                     && mark != want
                 {

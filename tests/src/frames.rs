@@ -596,6 +596,16 @@ pub fn field(frame: &[u8], off: usize) -> &'static str {
     }
 }
 
+/// An IPv4 frame carrying TCP, UDP or SCTP, not a fragment: what
+/// xdp_ingress may finish itself.
+pub fn is_ipv4_l4_unfragmented(frame: &[u8]) -> bool {
+    let Ok(sliced) = etherparse::SlicedPacket::from_ethernet(frame) else { return false };
+    let Some(etherparse::NetSlice::Ipv4(ip)) = &sliced.net else { return false };
+    let header = ip.header();
+    let fragmented = header.more_fragments() || header.fragments_offset().value() != 0;
+    !fragmented && matches!(header.protocol(), etherparse::IpNumber::TCP | etherparse::IpNumber::UDP | etherparse::IpNumber::SCTP)
+}
+
 #[cfg(test)]
 mod tests {
     use std::net::{Ipv4Addr, Ipv6Addr};
@@ -672,3 +682,4 @@ mod tests {
         assert_eq!(field(later, ETH_HLEN + 20), "fragment payload");
     }
 }
+

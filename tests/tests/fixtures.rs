@@ -17,7 +17,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use proxy_common::*;
 use proxy_tests::{
     addrs::{BACKEND, CLIENT, EXTERNAL, NODE_IP, UNALLOCATED, VIP, VIP_EMPTY, addr},
-    fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC, run_table},
+    fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC, run_table, run_table_through_xdp},
     frames::{
         self, ETH_HLEN, arp_request, icmp_echo, insert_ipv4_options, padded, reject_of, tcp_ack, tcp_data, tcp_fin, tcp_rst,
         tcp_syn, tcp_syn_ack, udp, with_ipv4_header,
@@ -764,6 +764,41 @@ fn verdict_fixtures() {
     let mut fx = Fixture::new("fixtures-verdict", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
     run_table(&fx, "verdict", verdict_cases());
+}
+
+// The same tables through xdp_ingress in front of tc_ingress, as on a node
+// with --xdp-devices (see `run_table_through_xdp`).
+
+#[test]
+#[ignore = "needs root (BPF)"]
+fn translation_fixtures_through_xdp() {
+    let fx = Fixture::with_xdp("fixtures-xlate-xdp", install_services).unwrap();
+    run_table_through_xdp(&fx, "translation", translation_cases());
+}
+
+#[test]
+#[ignore = "needs root (BPF)"]
+fn handshake_fixtures_through_xdp() {
+    let mut fx = Fixture::with_xdp("fixtures-handshake-xdp", install_services).unwrap();
+    install_policy(&mut fx.maps).expect("filling the policy maps");
+    run_table_through_xdp(&fx, "handshake", handshake_cases());
+}
+
+#[test]
+#[ignore = "needs root (BPF)"]
+fn verdict_fixtures_through_xdp() {
+    let mut fx = Fixture::with_xdp("fixtures-verdict-xdp", install_services).unwrap();
+    install_policy(&mut fx.maps).expect("filling the policy maps");
+    run_table_through_xdp(&fx, "verdict", verdict_cases());
+}
+
+#[test]
+#[ignore = "needs root (BPF)"]
+fn untouched_fixtures_through_xdp() {
+    let fx = Fixture::with_xdp("fixtures-untouched-xdp", install_services).unwrap();
+    run_table_through_xdp(&fx, "left untouched", untouched_cases());
+    let flows = fx.maps.conntrack.keys().count() + fx.maps.ct_unconfirmed.keys().count();
+    assert_eq!(flows, 0, "untouched frames created {flows} conntrack entries");
 }
 
 #[test]

@@ -37,6 +37,8 @@ pub const TC_INGRESS: &str = "tc_ingress";
 pub const TC_EGRESS: &str = "tc_egress";
 /// The ingress logic in report mode, for `ebpf-proxy trace`; never attached.
 pub const TC_TRACE: &str = "tc_trace";
+/// Ingress's decisions in XDP, on `--xdp-devices` (see crate::xdp).
+pub const XDP_INGRESS: &str = "xdp_ingress";
 
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
