@@ -234,7 +234,10 @@ mod program {
                     if !TRACE {
                         conntrack::touch(ct, pkt.closes_connection());
                     }
-                    if !TRACE && ct.flags & CT_NODE != 0 {
+                    // (Const first: an XDP program must not even name TC's
+                    // program arrays, or the kernel refuses it after the
+                    // verifier, EINVAL with no log.)
+                    if H::FINISHES_ALL && !TRACE && ct.flags & CT_NODE != 0 {
                         // To a node socket: tc_ingress_node_reply(6).
                         let _ = if F::V6 {
                             unsafe { NODE6_PROGRAMS.tail_call(ctx, NODE6_PROG_INGRESS_REPLY) }
