@@ -150,6 +150,9 @@ counters! {
     /// Not a packet verdict: later fragments that found their first's ports
     /// and went where it went (counted by their verdict too).
     FragmentFollowed = 30, "fragment_followed", None;
+    /// Not a packet verdict: packets xdp_ingress decided itself, translated
+    /// or dropped (counted by their verdict too); the rest went on to TC.
+    XdpFinished = 31, "xdp_finished", None;
 }
 
 const _: () = {

@@ -118,7 +118,11 @@ mod program {
         if !xdp_handoff::is_ipv4(&ctx) || !xdp_handoff::reserve_handoff(&ctx) {
             return XDP_PASS;
         }
-        ingress::<false, V4, _>(&ctx) as u32
+        let verdict = ingress::<false, V4, _>(&ctx) as u32;
+        if verdict != XDP_PASS || xdp_handoff::translated(&ctx) {
+            count(Counter::XdpFinished);
+        }
+        verdict
     }
 
     /// `ebpf-proxy trace`: the same decisions on a synthetic packet (run with

@@ -59,6 +59,14 @@ fn update(ctx: &XdpContext, change: impl FnOnce(&mut Handoff)) -> bool {
     true
 }
 
+/// Whether this program translated the frame (its handoff says so).
+#[inline(always)]
+pub fn translated(ctx: &XdpContext) -> bool {
+    let mut done = false;
+    update(ctx, |h| done = h.marks & TRANSLATED != 0);
+    done
+}
+
 /// At TC ingress: the marks of a frame XDP translated, or None (not
 /// translated, or not through our XDP program).
 #[inline(always)]

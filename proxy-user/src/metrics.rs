@@ -233,6 +233,7 @@ impl Collector for Dataplane {
         };
         encode_conntrack(&mut encoder, &fill, &counters)?;
         encode_fragments(&mut encoder, &counters)?;
+        encode_xdp(&mut encoder, &counters)?;
         let mut enc = encoder.encode_descriptor(
             "ebpf_proxy_packets",
             "Packets seen by the datapath (summed over CPUs), by verdict and its reason",
@@ -263,6 +264,18 @@ fn encode_fragments(encoder: &mut DescriptorEncoder, counters: &[u64]) -> std::f
         ConstCounter::new(counters[counter as usize]).encode(enc.encode_family(&[("fragment", kind)])?)?;
     }
     Ok(())
+}
+
+/// Packets XDP decided on `--xdp-devices` (the rest went on to TC): how much
+/// of the external traffic the fast path takes.
+fn encode_xdp(encoder: &mut DescriptorEncoder, counters: &[u64]) -> std::fmt::Result {
+    let enc = encoder.encode_descriptor(
+        "ebpf_proxy_xdp_finished",
+        "Packets xdp_ingress translated or dropped itself (also counted in ebpf_proxy_packets by verdict)",
+        None,
+        MetricType::Counter,
+    )?;
+    ConstCounter::new(counters[DpCounter::XdpFinished as usize]).encode(enc)
 }
 
 /// Confirmed and unconfirmed entries, and the confirmed entries the LRU

@@ -198,7 +198,7 @@ struct Row {
 pub fn run_table(fx: &Fixture, title: &str, cases: Vec<Case>) {
     run_cases(fx, title, cases, |fx, case| {
         let program = if case.egress_mark.is_some() { TC_EGRESS } else { TC_INGRESS };
-        fx.run(program, &case.input, case.egress_mark.unwrap_or(0)).map(|(v, out, mark)| (v, out, mark, None))
+        fx.run(program, &case.input, case.egress_mark.unwrap_or(0)).map(|(verdict, frame, mark)| Outcome::tc(verdict, frame, mark))
     })
 }
 
@@ -227,41 +227,60 @@ fn xdp_finishes(case: &Case) -> bool {
 pub fn run_table_through_xdp(fx: &Fixture, title: &str, cases: Vec<Case>) {
     run_cases(fx, &format!("{title} (XDP, then TC)"), cases, |fx, case| {
         if let Some(mark) = case.egress_mark {
-            return fx.run(TC_EGRESS, &case.input, mark).map(|(v, out, mark)| (v, out, mark, None));
+            return fx.run(TC_EGRESS, &case.input, mark).map(|(verdict, frame, mark)| Outcome::tc(verdict, frame, mark));
         }
         let (verdict, out, handoff) = fx.run_xdp(&case.input)?;
         let must = xdp_finishes(case);
-        let in_xdp = |done: bool| match (done, must) {
-            (true, false) => "XDP decided a case that is TC's",
-            (false, true) => "left to TC a case XDP must finish",
-            _ => "",
+        let in_xdp_problem = |done: bool| match (done, must) {
+            (true, false) => Some("XDP decided a case that is TC's"),
+            (false, true) => Some("left to TC a case XDP must finish"),
+            _ => None,
         };
+        let in_xdp = |verdict, frame, mark, problem| Outcome { verdict, frame, mark, in_xdp: true, problem };
         Ok(match (verdict, handoff) {
-            (XDP_DROP, _) => (TC_ACT_SHOT, out, 0, Some(in_xdp(true))),
-            (XDP_PASS, Some(marks)) => (TC_ACT_OK, out, marks, Some(in_xdp(true))),
+            (XDP_DROP, _) => in_xdp(TC_ACT_SHOT, out, 0, in_xdp_problem(true)),
+            (XDP_PASS, Some(marks)) => in_xdp(TC_ACT_OK, out, marks, in_xdp_problem(true)),
             (XDP_PASS, None) if out == case.input => {
-                let (v, out, mark) = fx.run(TC_INGRESS, &case.input, 0)?;
-                (v, out, mark, Some(in_xdp(false)))
+                let (verdict, frame, mark) = fx.run(TC_INGRESS, &case.input, 0)?;
+                Outcome { problem: in_xdp_problem(false), ..Outcome::tc(verdict, frame, mark) }
             }
-            (v, _) => (v, out, 0, Some("XDP passed a frame it changed without a handoff, or gave another verdict")),
+            (verdict, _) => Outcome {
+                problem: Some("XDP passed a frame it changed without a handoff, or gave another verdict"),
+                ..Outcome::tc(verdict, out, 0)
+            },
         })
     })
 }
 
-/// What one case's run gave: verdict, frame, mark, and for XDP runs a
-/// problem with which hook decided it ("" none).
-type Outcome = (u32, Vec<u8>, u32, Option<&'static str>);
+/// What one case's run gave: the verdict (as TC's), frame and mark; whether
+/// XDP decided it (its own counter moves then); a problem with which hook
+/// decided it.
+struct Outcome {
+    verdict: u32,
+    frame: Vec<u8>,
+    mark: u32,
+    in_xdp: bool,
+    problem: Option<&'static str>,
+}
+
+impl Outcome {
+    fn tc(verdict: u32, frame: Vec<u8>, mark: u32) -> Self {
+        Outcome { verdict, frame, mark, in_xdp: false, problem: None }
+    }
+}
 
 fn run_cases(fx: &Fixture, title: &str, cases: Vec<Case>, run: impl Fn(&Fixture, &Case) -> Result<Outcome, ProgramError>) {
     let mut rows = Vec::new();
     for case in cases {
         let before = fx.counters();
         let mut row = Row { what: case.what.clone(), want: case.verdict, got: None, problems: Vec::new() };
+        let mut counters = case.counters.clone();
         match run(fx, &case) {
             Err(e) => row.problems.push(format!("BPF_PROG_TEST_RUN failed: {}", error_chain(&e))),
-            Ok((verdict, out, mark, hook_problem)) => {
-                if let Some(problem) = hook_problem.filter(|p| !p.is_empty()) {
-                    row.problems.push(problem.to_string());
+            Ok(Outcome { verdict, frame: out, mark, in_xdp, problem }) => {
+                row.problems.extend(problem.map(str::to_string));
+                if in_xdp {
+                    counters.push(Counter::XdpFinished);
                 }
                 if let Some(want) = case.mark
                     && mark != want
@@ -297,7 +316,7 @@ fn run_cases(fx: &Fixture, title: &str, cases: Vec<Case>, run: impl Fn(&Fixture,
             }
         }
         let after = fx.counters();
-        row.problems.extend(check_counters(&before, &after, &case.counters).err());
+        row.problems.extend(check_counters(&before, &after, &counters).err());
         if let Some(check) = case.after {
             row.problems.extend(check(&fx.maps).err());
         }
