@@ -10,6 +10,11 @@
 //! failure whose detail contains `text` (pieces joined by ` && ` must all
 //! appear) is reported (FAIL~) and counted, but does not fail the test.
 //!
+//! The setups with an external client run a second time with XDP on each
+//! node's LAN interface (`--xdp-devices`, native on the veth), in front of
+//! TC: the same outcomes, and each IPv4 external case that reaches an
+//! endpoint decided in XDP.
+//!
 //! CONFORMANCE_FILTER=substring runs the setups whose id contains it;
 //! CONFORMANCE_THREADS=n sets how many setups run at once (default 3);
 //! CONFORMANCE_AGENT_LOGS=1 prints the agents' logs after each setup.
@@ -28,7 +33,7 @@ use anyhow::{Context, Result};
 use proxy_tests::{
     conformance::{
         data::{Setup, load_dir},
-        run::{CaseResult, Check, Status, run_setup},
+        run::{CaseResult, Check, Datapath, Status, plan, run_setup},
     },
 };
 
@@ -77,6 +82,16 @@ fn known_failures(path: &Path) -> Result<Known> {
 #[test]
 #[ignore = "needs root (network namespaces and BPF)"]
 fn kube_proxy_packet_flow_tables() -> Result<()> {
+    packet_flow_tables(Datapath::Tc)
+}
+
+#[test]
+#[ignore = "needs root (network namespaces and BPF)"]
+fn kube_proxy_packet_flow_tables_through_xdp() -> Result<()> {
+    packet_flow_tables(Datapath::Xdp)
+}
+
+fn packet_flow_tables(datapath: Datapath) -> Result<()> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("conformance");
     let files = load_dir(&dir)?;
     let known = known_failures(&dir.join("known-failures.txt"))?;
@@ -86,7 +101,8 @@ fn kube_proxy_packet_flow_tables() -> Result<()> {
     let mut jobs: VecDeque<(usize, String, Setup)> = VecDeque::new();
     for (kind, _, file) in files {
         for setup in file.setups {
-            if format!("{kind}/{}", setup.name).contains(&filter) {
+            let from_outside = !plan(&setup).external_clients.is_empty();
+            if format!("{kind}/{}", setup.name).contains(&filter) && (datapath == Datapath::Tc || from_outside) {
                 jobs.push_back((jobs.len(), kind.clone(), setup));
             }
         }
@@ -106,13 +122,14 @@ fn kube_proxy_packet_flow_tables() -> Result<()> {
         };
         say(&format!("{tag} {}  ({}): {}", r.id, r.packet, r.detail));
     };
-    say(&format!("conformance: {total_setups} setups from {}, {threads} at a time", dir.display()));
+    say(&format!("conformance ({datapath:?}): {total_setups} setups from {}, {threads} at a time", dir.display()));
     std::thread::scope(|s| {
         for _ in 0..threads.max(1) {
             s.spawn(|| {
                 loop {
                     let Some((order, kind, setup)) = queue.lock().unwrap().pop_front() else { break };
-                    let results = run_setup(&kind, &setup, Path::new(env!("CARGO_BIN_EXE_netprobe")), &report);
+                    let netprobe = Path::new(env!("CARGO_BIN_EXE_netprobe"));
+                    let results = run_setup(&kind, &setup, netprobe, datapath, &report);
                     done.lock().unwrap().push((order, results));
                 }
             });

@@ -60,7 +60,7 @@ const NODE2_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 3);
 const NODE2_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 3);
 const UPSTREAM_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 254);
 const UPSTREAM_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0xfe);
-const LAN_IF: &str = "lan0";
+pub const LAN_IF: &str = "lan0";
 const HEALTHY: Duration = Duration::from_secs(30);
 
 /// An endpoint pod to create: where, and the ports its echo server serves.
@@ -86,6 +86,12 @@ pub struct Plan {
     pub upstream_ports: BTreeSet<u16>,
     /// LB IPs the upstream router sends from to themselves, through the node.
     pub lb_hairpin_ips: BTreeSet<Ipv4Addr>,
+    /// Frames reach the nodes' LAN interfaces with whole checksums, as
+    /// from a wire: the bridge finishes the partial checksums its senders
+    /// (sockets in namespaces, with TX offload) leave. XDP needs this: it
+    /// sees a frame before the kernel's checksum state, and updates a
+    /// checksum as a whole one.
+    pub wire_checksums: bool,
 }
 
 /// Where a case's client runs.
@@ -128,6 +134,10 @@ impl Cluster {
             let br_port = format!("p{port_no}");
             lan.ip(&["link", "add", &br_port, "type", "veth", "peer", "name", ifname, "netns", &ns.name])
                 .with_context(|| format!("LAN port for {}", ns.name))?;
+            if plan.wire_checksums {
+                let out = lan.command("ethtool").args(["-K", &br_port, "tx", "off"]).output()?;
+                anyhow::ensure!(out.status.success(), "ethtool -K {br_port} tx off: {}", String::from_utf8_lossy(&out.stderr));
+            }
             lan.ip(&["link", "set", &br_port, "master", "br0", "up"])?;
             ns.ip(&["link", "set", ifname, "up"])?;
             mac_of(ns, ifname)
@@ -337,6 +347,12 @@ impl Cluster {
     /// that no socket hook sees.
     pub fn outside_cgroup(&self) -> Option<&Cgroup> {
         self.outside.as_ref()
+    }
+
+    /// The pinned datapath counters of the agent on test-node.
+    pub fn test_node_counters(&self) -> Result<Vec<u64>> {
+        let agent = self.agents.first().context("no agent started")?;
+        proxy_user::maps::pinned_counters(&agent.bpffs_root)
     }
 
     /// `dump services -o json` of the agent on test-node.

@@ -10,7 +10,7 @@ use std::{
 use anyhow::Result;
 
 use super::{
-    cluster::{Client, Cluster, EndpointSpec, Plan, TEST_NODE, is_node_local},
+    cluster::{Client, Cluster, EndpointSpec, LAN_IF, Plan, TEST_NODE, is_node_local},
     data::{Case, Expect, Family, Protocol, Setup},
     frontends, probe, verdict,
 };
@@ -193,9 +193,26 @@ fn packet(case: &Case) -> String {
     )
 }
 
+/// Which hook the agents translate external traffic in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Datapath {
+    /// The TC programs (the default).
+    Tc,
+    /// `--xdp-devices` on each node's LAN interface, native XDP on the veth,
+    /// in front of TC. Each IPv4 case from an external client that reaches
+    /// an endpoint must have been decided in XDP (its counter moved).
+    Xdp,
+}
+
 /// Runs every case of `setup`, calling `report` as each one finishes.
 /// `netprobe` is the client binary run as a node process.
-pub fn run_setup(kind: &str, setup: &Setup, netprobe: &Path, report: &(dyn Fn(&CaseResult) + Sync)) -> Vec<CaseResult> {
+pub fn run_setup(
+    kind: &str,
+    setup: &Setup,
+    netprobe: &Path,
+    datapath: Datapath,
+    report: &(dyn Fn(&CaseResult) + Sync),
+) -> Vec<CaseResult> {
     let mut results = Vec::new();
     let mut record = |r: CaseResult| {
         report(&r);
@@ -224,7 +241,7 @@ pub fn run_setup(kind: &str, setup: &Setup, netprobe: &Path, report: &(dyn Fn(&C
         all
     };
 
-    let cluster = match build(setup) {
+    let cluster = match build(setup, datapath) {
         Ok(c) => c,
         Err(e) => {
             everything(Status::Fail, &format!("setup failed: {e:#}")).into_iter().for_each(&mut record);
@@ -249,7 +266,10 @@ pub fn run_setup(kind: &str, setup: &Setup, netprobe: &Path, report: &(dyn Fn(&C
         let (status, detail) = check_frontends(&cluster, setup, &phase.objects);
         record(dump_result(i, status, if status == Status::Fail { format!("{detail}{lacking}") } else { detail }));
         for case in &phase.cases {
-            let (status, detail) = run_case(&cluster, case, netprobe);
+            let (status, detail) = match datapath {
+                Datapath::Tc => run_case(&cluster, case, netprobe),
+                Datapath::Xdp => run_case_through_xdp(&cluster, case, netprobe),
+            };
             let detail = if status == Status::Fail { format!("{detail}{lacking}") } else { detail };
             record(packet_result(i, case, status, detail));
         }
@@ -285,11 +305,47 @@ fn check_frontends(cluster: &Cluster, setup: &Setup, objects: &[serde_yaml::Valu
     }
 }
 
-fn build(setup: &Setup) -> Result<Cluster> {
-    let mut cluster = Cluster::build(&plan(setup))?;
+fn build(setup: &Setup, datapath: Datapath) -> Result<Cluster> {
+    let plan = Plan { wire_checksums: datapath == Datapath::Xdp, ..plan(setup) };
+    let mut cluster = Cluster::build(&plan)?;
     cluster.apply(&setup.phases[0].objects)?;
-    cluster.start_agents(&agent_flags(setup))?;
+    let mut flags = agent_flags(setup);
+    if datapath == Datapath::Xdp {
+        flags.extend(["--xdp-devices", LAN_IF, "--xdp-mode", "native"].map(String::from));
+    }
+    cluster.start_agents(&flags)?;
     Ok(cluster)
+}
+
+/// `run_case`, and for an IPv4 external client's packet that reaches an
+/// endpoint, whether test-node's XDP program decided it (xdp_finished
+/// moved while the case ran): XDP must take that traffic, not leave it
+/// all to TC.
+fn run_case_through_xdp(cluster: &Cluster, case: &Case, netprobe: &Path) -> (Status, String) {
+    let xdp_finishes = origin(case) == Origin::External
+        && case.source_ip.is_ipv4()
+        && matches!(case.expect(), Ok(Expect::Endpoints(_)));
+    let before = cluster.test_node_counters().ok();
+    let (status, detail) = run_case(cluster, case, netprobe);
+    let after = cluster.test_node_counters().ok();
+    let (Some(before), Some(after)) = (before, after) else {
+        return (Status::Fail, format!("{detail}; test-node's counters could not be read"));
+    };
+    let moved = |c: proxy_common::Counter| after[c as usize] - before[c as usize];
+    if status != Status::Pass {
+        // What test-node's datapath did meanwhile, to tell XDP's part.
+        let counters: Vec<String> = proxy_common::Counter::ALL
+            .iter()
+            .filter(|c| moved(**c) > 0)
+            .map(|c| format!("{}+{}", c.name(), moved(*c)))
+            .collect();
+        return (status, format!("{detail} [test-node counters: {}]", counters.join(" ")));
+    }
+    match moved(proxy_common::Counter::XdpFinished) {
+        0 if xdp_finishes => (Status::Fail, format!("{detail}, but not in XDP: xdp_finished did not move (all left to TC)")),
+        0 => (status, detail),
+        n => (status, format!("{detail}; {n} packets decided in XDP")),
+    }
 }
 
 /// In a node case's name: its process runs outside the hooked cgroup root.
