@@ -41,7 +41,7 @@ use aya::{
 use futures::{StreamExt, TryStreamExt};
 use netlink_packet_route::{
     RouteNetlinkMessage,
-    link::{LinkAttribute, LinkLayerType, LinkMessage},
+    link::{InfoKind, LinkAttribute, LinkInfo, LinkLayerType, LinkMessage},
 };
 use rtnetlink::{MulticastGroup, new_multicast_connection};
 use tracing::{debug, info, warn};
@@ -151,6 +151,8 @@ struct Interface {
     index: u32,
     name: String,
     kind: LinkKind,
+    /// A veth: XDP there may meet a local sender's partial checksums.
+    veth: bool,
 }
 
 /// The copy of the programs for L3 devices: loaded when the first one
@@ -219,8 +221,11 @@ impl Attacher {
         })?;
         let link_type = link.header.link_layer_type;
         if link_type == LinkLayerType::Loopback {
-            return Some((Interface { index: link.header.index, name, kind: LinkKind::Ethernet }, &HOOKS[1..]));
+            return Some((Interface { index: link.header.index, name, kind: LinkKind::Ethernet, veth: false }, &HOOKS[1..]));
         }
+        let veth = link.attributes.iter().any(|a| {
+            matches!(a, LinkAttribute::LinkInfo(infos) if infos.iter().any(|i| matches!(i, LinkInfo::Kind(InfoKind::Veth))))
+        });
         if !self.devices.as_ref().is_none_or(|list| list.contains(&name)) {
             return None;
         }
@@ -235,7 +240,7 @@ impl Attacher {
             }
             return None;
         };
-        Some((Interface { index: link.header.index, name, kind }, &HOOKS[..]))
+        Some((Interface { index: link.header.index, name, kind, veth }, &HOOKS[..]))
     }
 
     /// The loaded programs for `kind`, loading the L3 copy the first time.
@@ -297,6 +302,14 @@ impl Attacher {
             warn!(interface = %iface.name, "--xdp-devices: not an Ethernet device, XDP not attached (its TC programs serve it)");
             return Ok(());
         }
+        if iface.veth {
+            warn!(
+                interface = %iface.name,
+                "--xdp-devices: a veth; XDP updates checksums as whole ones, which frames from a wire carry, but a \
+                 container behind this veth sends partial ones (checksum offload) that XDP would corrupt: put XDP on the \
+                 node's external NICs"
+            );
+        }
         let pin = self.pin_path(xdp::PIN_PREFIX, iface.index);
         let how = xdp::attach(&mut self.ebpf, &pin, iface.index, &iface.name, settings.mode)?;
         let (adopted, mode) = match how {
@@ -331,7 +344,7 @@ impl Attacher {
     }
 
     fn attach_netlink(&mut self, iface: &Interface, (program, attach_type, _): Hook) -> Result<bool> {
-        let Interface { index: ifindex, name, kind } = iface;
+        let Interface { index: ifindex, name, kind, .. } = iface;
         // Loaded first: a copy the kernel refuses leaves no qdisc behind.
         self.program(*kind, program)?;
         // The clsact qdisc may hold others' filters too: one we add is
@@ -364,7 +377,7 @@ impl Attacher {
     }
 
     fn attach_tcx(&mut self, iface: &Interface, (program, attach_type, hook): Hook) -> Result<bool> {
-        let Interface { index: ifindex, name, kind } = iface;
+        let Interface { index: ifindex, name, kind, .. } = iface;
         let ifindex = *ifindex;
         let pin = self.pin_path(hook, ifindex);
         let prog = self.program(*kind, program)?;
