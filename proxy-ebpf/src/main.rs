@@ -281,8 +281,12 @@ mod program {
                 // The backend is gone: choose again below, so the flow moves to a
                 // live backend instead of black-holing.
                 _ => {
-                    note::<TRACE>(Counter::Rebalanced);
-                    return new_flow::<TRACE, F, false, H>(ctx, &pkt, true);
+                    let verdict = new_flow::<TRACE, F, false, H>(ctx, &pkt, true);
+                    // XDP's pass is TC's to count (it decides again).
+                    if H::FINISHES_ALL || verdict != H::NOT_OURS {
+                        note::<TRACE>(Counter::Rebalanced);
+                    }
+                    return verdict;
                 }
             }
         }
