@@ -28,6 +28,12 @@ pub const MAP_IPV6_PROGRAMS: &str = "IPV6_PROGRAMS";
 pub const MAP_ICMP_PROGRAMS: &str = "ICMP_PROGRAMS";
 /// The IP fragment programs (`FRAGMENT_PROG_*`).
 pub const MAP_FRAGMENT_PROGRAMS: &str = "FRAGMENT_PROGRAMS";
+/// `xdp_send_out` (`XDP_PROG_SEND_OUT`), which xdp_ingress tail-calls for
+/// a frame it translated.
+pub const MAP_XDP_PROGRAMS: &str = "XDP_PROGRAMS";
+/// The interfaces XDP may send frames out of (those xdp_ingress is on):
+/// ifindex -> frames sent out of it by XDP, per CPU.
+pub const MAP_XDP_DEVICES: &str = "XDP_DEVICES";
 /// One u32 the agent increments after it removes a backend: see
 /// `CtEntry::backends_epoch`.
 pub const MAP_BACKENDS_EPOCH: &str = "BACKENDS_EPOCH";
@@ -414,6 +420,11 @@ pub struct TraceReport {
 pub const XDP_HANDOFF_MAGIC: u32 = 0xeb9f_0a0d;
 pub const XDP_HANDOFF_TRANSLATED: u32 = 1 << 31;
 pub const XDP_HANDOFF_LEN: usize = 8;
+
+pub const XDP_PROG_SEND_OUT: u32 = 0;
+pub const XDP_PROG_COUNT: u32 = 1;
+/// Interfaces in XDP_DEVICES.
+pub const MAX_XDP_DEVICES: u32 = 256;
 
 pub const TRACE_FROM_CONNTRACK: u32 = 0x100;
 pub const TRACE_NO_MAGLEV_CELL: u32 = u32::MAX;

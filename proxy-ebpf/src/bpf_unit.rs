@@ -37,9 +37,7 @@ mod packet;
 #[cfg(target_arch = "bpf")]
 mod parse;
 #[cfg(target_arch = "bpf")]
-#[cfg(target_arch = "bpf")]
 mod reject;
-#[cfg(target_arch = "bpf")]
 #[cfg(target_arch = "bpf")]
 mod sctp;
 #[cfg(target_arch = "bpf")]

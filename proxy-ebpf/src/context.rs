@@ -30,6 +30,18 @@ pub fn read<T: Copy>(ctx: &impl PacketContext, off: usize) -> Option<T> {
     Some(unsafe { core::ptr::read_unaligned((start + off) as *const T) })
 }
 
+/// Writes `value` at `off` in the packet, if the linear data holds it
+/// (direct packet access, as `read`).
+#[inline(always)]
+pub fn write<T: Copy>(ctx: &impl PacketContext, off: usize, value: T) -> Option<()> {
+    let start = ctx.data();
+    if start + off + core::mem::size_of::<T>() > ctx.data_end() {
+        return None;
+    }
+    unsafe { core::ptr::write_unaligned((start + off) as *mut T, value) };
+    Some(())
+}
+
 pub trait PacketContext: EbpfContext {
     /// The first byte of the packet's linear data, and one past its last
     /// (direct packet access; the verifier wants every read checked
@@ -43,10 +55,10 @@ pub trait PacketContext: EbpfContext {
     /// direct access.
     fn pull_upto(&self, max: usize) -> Result<(), i64>;
     /// A copy of the `T` at `off`, wherever it lies.
-    fn load<T>(&self, off: usize) -> Result<T, i64>;
+    fn load<T: Copy>(&self, off: usize) -> Result<T, i64>;
     /// `dst.len()` bytes from `off` into `dst`.
     fn load_bytes(&self, off: usize, dst: &mut [u8]) -> Result<(), i64>;
-    fn store<T>(&self, off: usize, value: &T, flags: u64) -> Result<(), i64>;
+    fn store<T: Copy>(&self, off: usize, value: &T, flags: u64) -> Result<(), i64>;
     /// Updates the L4 checksum at `off` for a field that changed from `from`
     /// to `to` (`flags`: the field's size, BPF_F_PSEUDO_HDR for a
     /// pseudo-header field, BPF_F_MARK_MANGLED_0 for UDP's "no checksum").
@@ -91,7 +103,7 @@ impl PacketContext for TcContext {
     }
 
     #[inline(always)]
-    fn load<T>(&self, off: usize) -> Result<T, i64> {
+    fn load<T: Copy>(&self, off: usize) -> Result<T, i64> {
         TcContext::load(self, off)
     }
 
@@ -104,7 +116,7 @@ impl PacketContext for TcContext {
     }
 
     #[inline(always)]
-    fn store<T>(&self, off: usize, value: &T, flags: u64) -> Result<(), i64> {
+    fn store<T: Copy>(&self, off: usize, value: &T, flags: u64) -> Result<(), i64> {
         TcContext::store(self, off, value, flags)
     }
 
@@ -171,12 +183,8 @@ impl PacketContext for XdpContext {
     }
 
     #[inline(always)]
-    fn load<T>(&self, off: usize) -> Result<T, i64> {
-        let start = XdpContext::data(self);
-        if start + off + core::mem::size_of::<T>() > XdpContext::data_end(self) {
-            return Err(-1);
-        }
-        Ok(unsafe { core::ptr::read_unaligned((start + off) as *const T) })
+    fn load<T: Copy>(&self, off: usize) -> Result<T, i64> {
+        read(self, off).ok_or(-1)
     }
 
     #[inline(always)]
@@ -191,13 +199,8 @@ impl PacketContext for XdpContext {
     }
 
     #[inline(always)]
-    fn store<T>(&self, off: usize, value: &T, _flags: u64) -> Result<(), i64> {
-        let start = XdpContext::data(self);
-        if start + off + core::mem::size_of::<T>() > XdpContext::data_end(self) {
-            return Err(-1);
-        }
-        unsafe { core::ptr::write_unaligned((start + off) as *mut T, core::ptr::read(value)) };
-        Ok(())
+    fn store<T: Copy>(&self, off: usize, value: &T, _flags: u64) -> Result<(), i64> {
+        write(self, off, *value).ok_or(-1)
     }
 
     /// RFC 1624's incremental update in place, as the kernel's helper does

@@ -25,7 +25,7 @@ pub trait Hook: PacketContext {
     /// goes (`MASQUERADE_MARK`, `REVERSE_NAT_MARK`: see TC egress).
     fn add_mark(&self, bits: u32);
     /// The verdict for a packet translated in place (counted already).
-    fn translated<F: Family>(&self, pkt: &Packet) -> i32;
+    fn translated<F: Family>(&self) -> i32;
     /// REJECT: the packet becomes the reject and goes back (`NODE`: a node
     /// socket's packet met at egress, into the node's own stack).
     fn reject<const TRACE: bool, F: Family, const NODE: bool>(&self, pkt: &Packet) -> i32;

@@ -48,6 +48,8 @@ mod sock;
 mod trace;
 #[cfg(target_arch = "bpf")]
 mod xdp;
+#[cfg(target_arch = "bpf")]
+mod xdp_forward;
 
 #[cfg(target_arch = "bpf")]
 mod program {
@@ -80,7 +82,7 @@ mod program {
             FRAGMENT_PROGRAMS, ICMP_PROGRAMS, IPV6_PROGRAMS, NODE6_PROGRAMS, NODE_PROGRAMS, REJECT_BUDGETS, REJECT_PROGRAMS,
             count,
         },
-        masquerade, nat, packet, parse, reject, route, skb, sock, trace, xdp as xdp_handoff,
+        masquerade, nat, packet, parse, reject, route, skb, sock, trace, xdp as xdp_handoff, xdp_forward,
     };
 
     /// Leaves the packet to whatever runs next (TCX_NEXT / TC_ACT_UNSPEC).
@@ -119,10 +121,18 @@ mod program {
             return XDP_PASS;
         }
         let verdict = ingress::<false, V4, _>(&ctx) as u32;
-        if verdict != XDP_PASS || xdp_handoff::translated(&ctx) {
+        // (A translated frame was counted before xdp_send_out's tail call.)
+        if verdict != XDP_PASS {
             count(Counter::XdpFinished);
         }
         verdict
+    }
+
+    /// A frame xdp_ingress translated, by tail call from it: sent out by
+    /// XDP where it can be, else up the stack (see `xdp_forward`).
+    #[xdp]
+    pub fn xdp_send_out(ctx: XdpContext) -> u32 {
+        xdp_forward::send_out(&ctx)
     }
 
     /// `ebpf-proxy trace`: the same decisions on a synthetic packet (run with
@@ -258,7 +268,7 @@ mod program {
                     }
                     // The source becomes the frontend at egress, after routing.
                     ctx.add_mark(REVERSE_NAT_MARK);
-                    return finish::<TRACE, F, H>(ctx, &pkt, done, Counter::Reply);
+                    return finish::<TRACE, F, H>(ctx, done, Counter::Reply);
                 }
                 CT_ORIGINAL if lb::backend_still_matches(ct, !TRACE) => {
                     let acked = || ctx.load::<u32>(pkt.l4_off + TCP_ACK_OFF).ok();
@@ -276,7 +286,7 @@ mod program {
                         ctx.add_mark(MASQUERADE_MARK);
                     }
                     let done = nat::rewrite_dst::<F>(ctx, &pkt, &ct.nat_addr, ct.nat_port);
-                    return finish::<TRACE, F, H>(ctx, &pkt, done, Counter::Established);
+                    return finish::<TRACE, F, H>(ctx, done, Counter::Established);
                 }
                 // The backend is gone: choose again below, so the flow moves to a
                 // live backend instead of black-holing.
@@ -400,7 +410,7 @@ mod program {
             note::<TRACE>(Counter::Masqueraded);
             ctx.add_mark(MASQUERADE_MARK);
         }
-        finish::<TRACE, F, H>(ctx, pkt, nat::rewrite_dst::<F>(ctx, pkt, &backend.addr, backend.port), Counter::NewFlow)
+        finish::<TRACE, F, H>(ctx, nat::rewrite_dst::<F>(ctx, pkt, &backend.addr, backend.port), Counter::NewFlow)
     }
 
     /// Counts, or in a trace notes the counter in the result.
@@ -493,7 +503,7 @@ mod program {
         if pkt.fragment == fragment::FIRST {
             fragment::remember_first::<V6>(&ctx, &pkt);
         }
-        let Some((addr, port)) = masquerade::source_for::<V6>(&ctx, &pkt) else {
+        let Some((addr, port)) = masquerade::source_for::<V6>(&ctx, skb::ifindex(&ctx), &pkt) else {
             count(Counter::SnatFailed);
             return NOT_OURS;
         };
@@ -592,7 +602,7 @@ mod program {
             fragment::remember_first::<F>(ctx, &pkt);
         }
         let source = if mark & MASQUERADE_MARK != 0 {
-            masquerade::source_for::<F>(ctx, &pkt)
+            masquerade::source_for::<F>(ctx, skb::ifindex(ctx), &pkt)
         } else {
             conntrack::lookup(&pkt.tuple).filter(|e| e.direction == CT_REPLY).map(|e| (e.nat_addr, e.nat_port))
         };
@@ -849,7 +859,7 @@ mod program {
 
         /// On through the stack, which routes it.
         #[inline(always)]
-        fn translated<F: Family>(&self, _pkt: &packet::Packet) -> i32 {
+        fn translated<F: Family>(&self) -> i32 {
             TC_ACT_OK as i32
         }
 
@@ -941,11 +951,11 @@ mod program {
     /// `verdict` for ingress's decisions, in either hook: a translated packet
     /// goes on as the hook sends it.
     #[inline(always)]
-    fn finish<const TRACE: bool, F: Family, H: Hook>(ctx: &H, pkt: &packet::Packet, rewrite: Result<(), i64>, counter: Counter) -> i32 {
+    fn finish<const TRACE: bool, F: Family, H: Hook>(ctx: &H, rewrite: Result<(), i64>, counter: Counter) -> i32 {
         match rewrite {
             Ok(()) => {
                 note::<TRACE>(counter);
-                ctx.translated::<F>(pkt)
+                ctx.translated::<F>()
             }
             Err(_) => {
                 note::<TRACE>(Counter::RewriteFailed);

@@ -5,7 +5,7 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray},
 };
 use proxy_common::*;
 
@@ -138,6 +138,17 @@ pub static REJECT_BUDGETS: LruHashMap<Addr, proxy_common::reject_limit::RejectBu
 /// `tc_egress_node6` and `tc_ingress_node_reply6` (`NODE6_PROG_*`).
 #[map]
 pub static NODE6_PROGRAMS: ProgramArray = ProgramArray::pinned(NODE6_PROG_COUNT, 0);
+
+/// `xdp_send_out` (`XDP_PROG_*`); only XDP programs name it (a program
+/// array belongs to one program type).
+#[map]
+pub static XDP_PROGRAMS: ProgramArray = ProgramArray::pinned(XDP_PROG_COUNT, 0);
+
+/// The interfaces xdp_ingress is on, written by the agent as it attaches:
+/// XDP sends frames out of these only (any other, a pod's veth for one,
+/// gets them through the stack). Each counts the frames XDP sent out of it.
+#[map]
+pub static XDP_DEVICES: PerCpuHashMap<u32, u64> = PerCpuHashMap::pinned(MAX_XDP_DEVICES, 0);
 
 #[map]
 pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::pinned(MAX_COUNTERS, 0);

@@ -47,9 +47,10 @@ static EPHEMERAL_PORT_MIN: Global<u32> = Global::new(DEFAULT_EPHEMERAL_PORTS.0 a
 static EPHEMERAL_PORT_MAX: Global<u32> = Global::new(DEFAULT_EPHEMERAL_PORTS.1 as u32);
 
 /// The source (address, port in network order) this masqueraded flow leaves
-/// with: the one chosen for its first packet, else a new one.
+/// with out of interface `ifindex`: the one chosen for its first packet,
+/// else a new one. (TC egress asks; so does XDP, sending a frame out itself.)
 #[inline(always)]
-pub fn source_for<F: Family>(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16)> {
+pub fn source_for<F: Family>(ctx: &impl EbpfContext, ifindex: u32, pkt: &Packet) -> Option<(Addr, u16)> {
     let t = &pkt.tuple;
     if let Some(e) = conntrack::snat_choice(t) {
         if pkt.closes_connection() {
@@ -63,8 +64,8 @@ pub fn source_for<F: Family>(ctx: &TcContext, pkt: &Packet) -> Option<(Addr, u16
     let plain = conntrack::lookup(&plain_key).filter(|e| e.direction == CT_REPLY)?;
     // Each family's addresses under their own keys.
     let family = if F::V6 { SNAT_ADDR_IPV6 } else { 0 };
-    let ifindex = crate::skb::ifindex(ctx) | family;
-    let addr = unsafe { SNAT_ADDRS.get(&ifindex).or_else(|| SNAT_ADDRS.get(&family)) }.copied()?;
+    let key = ifindex | family;
+    let addr = unsafe { SNAT_ADDRS.get(&key).or_else(|| SNAT_ADDRS.get(&family)) }.copied()?;
 
     // Keep the client's port if its tuple towards the backend is free (as
     // Linux NAT keeps it), else try random ones; the reply entries are the
@@ -255,7 +256,7 @@ pub fn node_source_for<F: Family>(ctx: &TcContext, pkt: &Packet) -> Option<(Addr
 /// Its replies would meet the masqueraded flow's. Looked up in the netns of
 /// the interface, the node's.
 #[inline(always)]
-fn socket_holds<F: Family>(ctx: &TcContext, reply: &CtKey) -> bool {
+fn socket_holds<F: Family>(ctx: &impl EbpfContext, reply: &CtKey) -> bool {
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
     let size = unsafe {
         if F::V6 {

@@ -23,13 +23,21 @@ use crate::headers::IPV4_CSUM_OFF;
 /// Client -> frontend becomes client -> backend.
 #[inline(always)]
 pub fn rewrite_dst<F: Family>(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
-    rewrite::<F, true>(ctx, pkt, F::DST_OFF, &pkt.tuple.dst, addr, 2, pkt.tuple.dport, port)
+    rewrite::<F, true, true>(ctx, pkt, F::DST_OFF, &pkt.tuple.dst, addr, 2, pkt.tuple.dport, port)
 }
 
 /// Backend -> client becomes frontend -> client.
 #[inline(always)]
 pub fn rewrite_src<F: Family>(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
-    rewrite::<F, true>(ctx, pkt, F::SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
+    rewrite::<F, true, true>(ctx, pkt, F::SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
+}
+
+/// `rewrite_src` for a TCP or UDP packet only: without SCTP's CRC
+/// subprograms, whose stack frames would add to the caller's (see
+/// `xdp_forward`).
+#[inline(always)]
+pub fn rewrite_src_tcp_udp<F: Family>(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
+    rewrite::<F, true, false>(ctx, pkt, F::SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
 }
 
 /// `rewrite_dst` for a later IP fragment, which has no L4 header: the
@@ -37,21 +45,21 @@ pub fn rewrite_src<F: Family>(ctx: &impl PacketContext, pkt: &Packet, addr: &Add
 #[inline(always)]
 pub fn rewrite_dst_address<F: Family>(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr) -> Result<(), i64> {
     let port = pkt.tuple.dport;
-    rewrite::<F, false>(ctx, pkt, F::DST_OFF, &pkt.tuple.dst, addr, 2, port, port)
+    rewrite::<F, false, true>(ctx, pkt, F::DST_OFF, &pkt.tuple.dst, addr, 2, port, port)
 }
 
 /// `rewrite_src` for a later IP fragment (see `rewrite_dst_address`).
 #[inline(always)]
 pub fn rewrite_src_address<F: Family>(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr) -> Result<(), i64> {
     let port = pkt.tuple.sport;
-    rewrite::<F, false>(ctx, pkt, F::SRC_OFF, &pkt.tuple.src, addr, 0, port, port)
+    rewrite::<F, false, true>(ctx, pkt, F::SRC_OFF, &pkt.tuple.src, addr, 0, port, port)
 }
 
 /// `L4`: the packet has its L4 header (every packet but a later fragment),
-/// whose port and checksum change too.
+/// whose port and checksum change too. `SCTP`: it may be an SCTP packet.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn rewrite<F: Family, const L4: bool>(
+fn rewrite<F: Family, const L4: bool, const SCTP: bool>(
     ctx: &impl PacketContext,
     pkt: &Packet,
     ip_field: usize,
@@ -65,7 +73,7 @@ fn rewrite<F: Family, const L4: bool>(
     // (Over IPv6 it makes a sum of 0 go out as 0xffff: 0 means "none",
     // which IPv6 forbids.)
     let l4_flags = if pkt.proto == IPPROTO_UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
-    let is_sctp = pkt.proto == IPPROTO_SCTP;
+    let is_sctp = SCTP && pkt.proto == IPPROTO_SCTP;
     let addr_changes = (F::FIRST_WORD..4).any(|i| word(old_addr, i) != word(new_addr, i));
     let port_changes = old_port != new_port && L4;
     // IPv4's direct writes come first: the helpers below may move the packet.
@@ -129,10 +137,5 @@ fn read<T: Copy>(ctx: &impl PacketContext, off: usize) -> Result<T, i64> {
 
 #[inline(always)]
 fn write<T: Copy>(ctx: &impl PacketContext, off: usize, value: T) -> Result<(), i64> {
-    let start = ctx.data();
-    if start + off + core::mem::size_of::<T>() > ctx.data_end() {
-        return Err(-1);
-    }
-    unsafe { core::ptr::write_unaligned((start + off) as *mut T, value) };
-    Ok(())
+    crate::context::write(ctx, off, value).ok_or(-1)
 }

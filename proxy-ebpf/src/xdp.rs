@@ -8,6 +8,9 @@
 //! `Handoff` in the frame's metadata (which the kernel hands on to the
 //! skb): TC ingress sees it, sets the marks, and lets the frame go on
 //! without deciding it again.
+//!
+//! Before going up the stack, a translated frame is offered to
+//! `xdp_send_out` (see `xdp_forward`), which may send it out itself.
 
 use aya_ebpf::{
     EbpfContext,
@@ -16,9 +19,9 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 
-use proxy_common::{XDP_HANDOFF_LEN, XDP_HANDOFF_MAGIC, XDP_HANDOFF_TRANSLATED};
+use proxy_common::{XDP_HANDOFF_LEN, XDP_HANDOFF_MAGIC, XDP_HANDOFF_TRANSLATED, XDP_PROG_SEND_OUT};
 
-use crate::{family::Family, headers::ETH_P_IP, hook::Hook, packet::Packet};
+use crate::{family::Family, headers::ETH_P_IP, hook::Hook, maps::XDP_PROGRAMS, packet::Packet};
 
 /// What XDP tells TC ingress about a frame, in front of it.
 #[repr(C)]
@@ -59,12 +62,16 @@ fn update(ctx: &XdpContext, change: impl FnOnce(&mut Handoff)) -> bool {
     true
 }
 
-/// Whether this program translated the frame (its handoff says so).
+/// The marks of a frame this program translated (its handoff), or None.
 #[inline(always)]
-pub fn translated(ctx: &XdpContext) -> bool {
-    let mut done = false;
-    update(ctx, |h| done = h.marks & TRANSLATED != 0);
-    done
+pub fn handoff_marks(ctx: &XdpContext) -> Option<u32> {
+    let mut marks = None;
+    update(ctx, |h| {
+        if h.magic == MAGIC && h.marks & TRANSLATED != 0 {
+            marks = Some(h.marks & !TRANSLATED);
+        }
+    });
+    marks
 }
 
 /// At TC ingress: the marks of a frame XDP translated, or None (not
@@ -101,10 +108,16 @@ impl Hook for XdpContext {
         update(self, |h| h.marks |= bits);
     }
 
-    /// Up the stack, which routes it; TC ingress only sets its marks.
+    /// Out by `xdp_send_out` if it can; else up the stack, which routes
+    /// it, and TC ingress only sets its marks.
     #[inline(always)]
-    fn translated<F: Family>(&self, _pkt: &Packet) -> i32 {
+    fn translated<F: Family>(&self) -> i32 {
         update(self, |h| h.marks |= TRANSLATED);
+        // Counted now: a tail call does not come back.
+        crate::maps::count(proxy_common::Counter::XdpFinished);
+        if !F::V6 {
+            let _ = unsafe { XDP_PROGRAMS.tail_call(self, XDP_PROG_SEND_OUT) };
+        }
         Self::NOT_OURS
     }
 

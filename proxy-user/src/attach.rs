@@ -318,6 +318,9 @@ impl Attacher {
         };
         info!(interface = %iface.name, ifindex = iface.index, hook = "xdp", adopted, mode, "attached");
         self.xdp_attached.insert(iface.index);
+        if let Err(e) = xdp::allow_sending(&mut self.ebpf, iface.index) {
+            warn!(interface = %iface.name, error = %format!("{e:#}"), "XDP will not send frames out of it (the stack will)");
+        }
         Ok(())
     }
 
@@ -407,7 +410,9 @@ impl Attacher {
     fn forget(&mut self, ifindex: u32) {
         crate::clsact::forget(&self.root, ifindex);
         self.unsupported.remove(&ifindex);
-        self.xdp_attached.remove(&ifindex);
+        if self.xdp_attached.remove(&ifindex) {
+            xdp::keep_sending_only(&mut self.ebpf, &self.xdp_attached);
+        }
         if let Some(name) = self.attached.remove(&ifindex) {
             for hook in HOOKS.iter().map(|(_, _, hook)| *hook).chain([xdp::PIN_PREFIX]) {
                 let _ = std::fs::remove_file(self.pin_path(hook, ifindex));
@@ -419,7 +424,8 @@ impl Attacher {
     /// Pins for interfaces that no longer exist, and XDP links of
     /// interfaces no longer in --xdp-devices (unpinned, the kernel detaches
     /// them).
-    fn remove_stale_pins(&self) {
+    fn remove_stale_pins(&mut self) {
+        xdp::keep_sending_only(&mut self.ebpf, &self.xdp_attached);
         let Ok(entries) = std::fs::read_dir(&self.links) else { return };
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();

@@ -233,7 +233,7 @@ impl Collector for Dataplane {
         };
         encode_conntrack(&mut encoder, &fill, &counters)?;
         encode_fragments(&mut encoder, &counters)?;
-        encode_xdp(&mut encoder, &counters)?;
+        encode_xdp(&mut encoder, &counters, &self.root)?;
         let mut enc = encoder.encode_descriptor(
             "ebpf_proxy_packets",
             "Packets seen by the datapath (summed over CPUs), by verdict and its reason",
@@ -267,15 +267,36 @@ fn encode_fragments(encoder: &mut DescriptorEncoder, counters: &[u64]) -> std::f
 }
 
 /// Packets XDP decided on `--xdp-devices` (the rest went on to TC): how much
-/// of the external traffic the fast path takes.
-fn encode_xdp(encoder: &mut DescriptorEncoder, counters: &[u64]) -> std::fmt::Result {
+/// of the external traffic the fast path takes; and of those, the frames
+/// XDP sent out itself, by the interface they left by.
+fn encode_xdp(encoder: &mut DescriptorEncoder, counters: &[u64], root: &Path) -> std::fmt::Result {
     let enc = encoder.encode_descriptor(
         "ebpf_proxy_xdp_finished",
         "Packets xdp_ingress translated or dropped itself (also counted in ebpf_proxy_packets by verdict)",
         None,
         MetricType::Counter,
     )?;
-    ConstCounter::new(counters[DpCounter::XdpFinished as usize]).encode(enc)
+    ConstCounter::new(counters[DpCounter::XdpFinished as usize]).encode(enc)?;
+    let sent = match crate::xdp::sent(root) {
+        Ok(sent) => sent,
+        Err(e) => {
+            tracing::debug!("metrics: no XDP send-out counts: {e:#}");
+            return Ok(());
+        }
+    };
+    let mut enc = encoder.encode_descriptor(
+        "ebpf_proxy_xdp_sent",
+        "Frames XDP translated and sent out itself (XDP_TX or redirect), by the interface they left by; the rest went up the stack",
+        None,
+        MetricType::Counter,
+    )?;
+    for (ifindex, frames) in sent {
+        let interface = nix::net::if_::if_indextoname(ifindex)
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| format!("ifindex {ifindex}"));
+        ConstCounter::new(frames).encode(enc.encode_family(&[("interface", interface.as_str())])?)?;
+    }
+    Ok(())
 }
 
 /// Confirmed and unconfirmed entries, and the confirmed entries the LRU

@@ -5,12 +5,18 @@
 //! Held like the TCX links: a bpf_link per interface (Linux 5.9+, so every
 //! supported kernel), pinned under `<bpffs-root>/links` as `xdp-<ifindex>`,
 //! so the program outlives the agent and a restart swaps it in atomically.
+//!
+//! xdp_ingress hands the frames it translated to `xdp_send_out` (in the
+//! pinned XDP_PROGRAMS), which sends them out of any interface in
+//! XDP_DEVICES itself; the agent lists each interface there as XDP
+//! attaches, and takes it out as XDP leaves it.
 
 use std::path::Path;
 
 use anyhow::{Context, Result};
 use aya::{
     Ebpf,
+    maps::{MapData, PerCpuHashMap, PerCpuValues, ProgramArray},
     programs::{
         Xdp, XdpMode,
         links::{FdLink, PinnedLink},
@@ -19,7 +25,12 @@ use aya::{
 };
 use tracing::debug;
 
-use crate::{cli::XdpAttachMode, maps::XDP_INGRESS};
+use proxy_common::{MAP_XDP_DEVICES, MAP_XDP_PROGRAMS, XDP_PROG_SEND_OUT};
+
+use crate::{
+    cli::XdpAttachMode,
+    maps::{XDP_INGRESS, XDP_SEND_OUT},
+};
 
 /// The prefix of the XDP link pins.
 pub const PIN_PREFIX: &str = "xdp";
@@ -55,18 +66,62 @@ impl XdpSettings {
     }
 }
 
-/// Through the verifier (before anything is attached, as the TC programs).
+/// Through the verifier (before anything is attached, as the TC programs):
+/// xdp_ingress, and xdp_send_out into its slot of XDP_PROGRAMS.
 pub fn load(ebpf: &mut Ebpf) -> Result<()> {
-    let prog = program(ebpf)?;
-    let started = std::time::Instant::now();
-    prog.load().map_err(|e| crate::kernel::rejected(XDP_INGRESS, &e))?;
-    debug!(program = XDP_INGRESS, ms = started.elapsed().as_millis() as u64, "program loaded");
+    for name in [XDP_INGRESS, XDP_SEND_OUT] {
+        let prog = program(ebpf, name)?;
+        let started = std::time::Instant::now();
+        prog.load().map_err(|e| crate::kernel::rejected(name, &e))?;
+        debug!(program = name, ms = started.elapsed().as_millis() as u64, "program loaded");
+    }
+    let send_out = program(ebpf, XDP_SEND_OUT)?.fd()?.try_clone()?;
+    let map = ebpf.map_mut(MAP_XDP_PROGRAMS).with_context(|| format!("map {MAP_XDP_PROGRAMS} missing from the BPF object"))?;
+    let mut programs: ProgramArray<&mut MapData> = map.try_into()?;
+    programs.set(XDP_PROG_SEND_OUT, &send_out, 0).with_context(|| format!("installing {XDP_SEND_OUT} in {MAP_XDP_PROGRAMS}"))?;
     Ok(())
 }
 
-fn program(ebpf: &mut Ebpf) -> Result<&mut Xdp> {
-    let prog = ebpf.program_mut(XDP_INGRESS).with_context(|| format!("{XDP_INGRESS} missing from the BPF object"))?;
+fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut Xdp> {
+    let prog = ebpf.program_mut(name).with_context(|| format!("{name} missing from the BPF object"))?;
     Ok(prog.try_into()?)
+}
+
+fn devices(ebpf: &mut Ebpf) -> Result<PerCpuHashMap<&mut MapData, u32, u64>> {
+    let map = ebpf.map_mut(MAP_XDP_DEVICES).with_context(|| format!("map {MAP_XDP_DEVICES} missing from the BPF object"))?;
+    Ok(map.try_into()?)
+}
+
+/// Lets XDP send frames out of `ifindex` (keeping the count of an earlier
+/// agent's entry).
+pub fn allow_sending(ebpf: &mut Ebpf, ifindex: u32) -> Result<()> {
+    let mut devices = devices(ebpf)?;
+    if devices.get(&ifindex, 0).is_ok() {
+        return Ok(());
+    }
+    let cpus = aya::util::nr_cpus().map_err(|(_, e)| e)?.get() as usize;
+    let zeros = PerCpuValues::try_from(vec![0u64; cpus])?;
+    devices.insert(&ifindex, zeros, 0).with_context(|| format!("map {MAP_XDP_DEVICES}: add ifindex {ifindex}"))
+}
+
+/// Stops XDP sending frames out of interfaces not in `attached` (gone,
+/// or no longer in --xdp-devices).
+pub fn keep_sending_only(ebpf: &mut Ebpf, attached: &std::collections::BTreeSet<u32>) {
+    let Ok(mut devices) = devices(ebpf) else { return };
+    let stale: Vec<u32> = devices.keys().filter_map(|k| k.ok()).filter(|i| !attached.contains(i)).collect();
+    for ifindex in stale {
+        let _ = devices.remove(&ifindex);
+    }
+}
+
+/// The frames XDP sent out of each interface (ifindex), as pinned under
+/// `root` by the running agent.
+pub fn sent(root: &Path) -> Result<Vec<(u32, u64)>> {
+    let map: PerCpuHashMap<MapData, u32, u64> = crate::maps::open_pin(root, MAP_XDP_DEVICES)?.try_into()?;
+    map.iter().map(|entry| {
+        let (ifindex, per_cpu) = entry?;
+        Ok((ifindex, per_cpu.iter().sum()))
+    }).collect()
 }
 
 /// How an interface got the program.
@@ -82,7 +137,7 @@ pub enum Attached {
 /// `auto` tries the driver first and falls back to generic XDP, which
 /// every device has.
 pub fn attach(ebpf: &mut Ebpf, pin: &Path, ifindex: u32, name: &str, mode: XdpAttachMode) -> Result<Attached> {
-    let prog = program(ebpf)?;
+    let prog = program(ebpf, XDP_INGRESS)?;
     if let Ok(old) = PinnedLink::from_pin(pin) {
         let adopted = XdpLink::try_from(FdLink::from(old))
             .map_err(anyhow::Error::from)

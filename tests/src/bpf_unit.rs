@@ -8,7 +8,7 @@ use anyhow::{Context, Result, ensure};
 use aya::{
     Ebpf, EbpfLoader, Pod,
     maps::{Array, HashMap, LpmTrie, MapData},
-    programs::{SchedClassifier, TestRun, TestRunOptions},
+    programs::{SchedClassifier, TestRun, TestRunOptions, Xdp, XdpMode},
 };
 use proxy_common::{
     DEFAULT_MAGLEV_TABLE_SIZE, GLOBAL_HAS_COARSE_CLOCK, GLOBAL_MAGLEV_SEED, GLOBAL_MAGLEV_TABLE_SIZE, MAP_AFFINITY, MAP_CONNTRACK, MAP_CT_UNCONFIRMED, MAP_SNAT, MAP_SNAT_UNCONFIRMED,
@@ -99,6 +99,18 @@ impl Unit {
         out.truncate(res.data_size_out as usize);
         let report: Array<&mut MapData, UnitReport> = self.map(UNIT_REPORT)?;
         Ok(Run { verdict: res.return_value, frame: out, report: report.get(&0, 0)? })
+    }
+
+    /// `xdp_pass` in native mode on each interface (by name, in the calling
+    /// thread's network namespace), for as long as this `Unit` lives.
+    pub fn attach_xdp_pass(&mut self, interfaces: &[String]) -> Result<()> {
+        let prog: &mut Xdp = self.ebpf.program_mut("xdp_pass").context("no program xdp_pass")?.try_into()?;
+        prog.load().context("the verifier refuses xdp_pass")?;
+        for name in interfaces {
+            let ifindex = nix::net::if_::if_nametoindex(name.as_str()).with_context(|| format!("no interface {name}"))?;
+            prog.attach(ifindex, XdpMode::Driver).with_context(|| format!("native XDP on {name}"))?;
+        }
+        Ok(())
     }
 
     /// A hash map of the object (LRU or not) by name.

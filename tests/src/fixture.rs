@@ -29,6 +29,8 @@ pub const TC_ACT_UNSPEC: u32 = u32::MAX;
 pub const TC_ACT_REDIRECT: u32 = 7;
 pub const XDP_DROP: u32 = 1;
 pub const XDP_PASS: u32 = 2;
+pub const XDP_TX: u32 = 3;
+pub const XDP_REDIRECT: u32 = 4;
 
 pub struct Fixture {
     // Fields drop in order: the program and maps go before the bpffs unmounts.
@@ -57,6 +59,18 @@ impl Fixture {
         let mut fx = Fixture::new(label, install)?;
         proxy_user::xdp::load(&mut fx.ebpf).context("verifier accepts xdp_ingress")?;
         Ok(fx)
+    }
+
+    /// Lets `xdp_send_out` send frames out of `ifindex`, as the agent does
+    /// for each interface XDP is on.
+    pub fn allow_xdp_sending(&mut self, ifindex: u32) -> Result<()> {
+        proxy_user::xdp::allow_sending(&mut self.ebpf, ifindex)
+    }
+
+    /// The frames `xdp_send_out` sent out of `ifindex`.
+    pub fn xdp_sent(&self, ifindex: u32) -> Result<u64> {
+        let sent = proxy_user::xdp::sent(self._bpffs.path())?;
+        Ok(sent.iter().find(|(i, _)| *i == ifindex).map_or(0, |(_, n)| *n))
     }
 
     /// One BPF_PROG_TEST_RUN of `xdp_ingress`.
@@ -383,6 +397,17 @@ pub fn verdict_name(v: u32) -> String {
         TC_ACT_SHOT => "SHOT".into(),
         TC_ACT_UNSPEC => "UNSPEC".into(),
         TC_ACT_REDIRECT => "REDIRECT".into(),
+        v => format!("{v:#x}"),
+    }
+}
+
+pub fn xdp_verdict_name(v: u32) -> String {
+    match v {
+        0 => "XDP_ABORTED".into(),
+        XDP_DROP => "XDP_DROP".into(),
+        XDP_PASS => "XDP_PASS".into(),
+        XDP_TX => "XDP_TX".into(),
+        XDP_REDIRECT => "XDP_REDIRECT".into(),
         v => format!("{v:#x}"),
     }
 }

@@ -17,12 +17,17 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use proxy_common::*;
 use proxy_tests::{
     addrs::{BACKEND, CLIENT, EXTERNAL, NODE_IP, UNALLOCATED, VIP, VIP_EMPTY, addr},
-    fixture::{Case, Expect, Fixture, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC, run_table, run_table_through_xdp},
+    fixture::{
+        Case, Expect, Fixture, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC, XDP_PASS, XDP_REDIRECT, diff, run_table,
+        xdp_verdict_name,
+        run_table_through_xdp,
+    },
     frames::{
         self, ETH_HLEN, arp_request, icmp_echo, insert_ipv4_options, padded, reject_of, tcp_ack, tcp_data, tcp_fin, tcp_rst,
         tcp_syn, tcp_syn_ack, udp, with_ipv4_header,
     },
 };
+use proxy_tests::{netns::Netns, unique_suffix};
 use proxy_user::maps::{MapWriter, Maps};
 
 // CLIENT and BACKEND are pods of the cluster CIDR, VIP serves 80/TCP ->
@@ -790,6 +795,70 @@ fn verdict_fixtures_through_xdp() {
     let mut fx = Fixture::with_xdp("fixtures-verdict-xdp", install_services).unwrap();
     install_policy(&mut fx.maps).expect("filling the policy maps");
     run_table_through_xdp(&fx, "verdict", verdict_cases());
+}
+
+/// XDP sending a frame it translated out itself (`xdp_send_out`), in a
+/// namespace whose FIB routes BACKEND through a veth to a next hop with a
+/// known neighbour (BPF_PROG_TEST_RUN runs XDP as if the frame came in on
+/// the namespace's loopback, so the interface out is another one: a
+/// redirect). A masqueraded external client's SYN leaves as TC egress would
+/// have sent it, with the next hop's MAC addresses and TTL - 1; out of an
+/// interface XDP is not on, or with TTL 1, it goes up the stack instead.
+#[test]
+#[ignore = "needs root (BPF)"]
+fn send_out_fixtures_through_xdp() {
+    const OUT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x10];
+    const NEXT_HOP_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x20];
+    let ns = Netns::new(&format!("fx-xdpout-{}", unique_suffix())).unwrap();
+    for args in [
+        &["link", "add", "out0", "address", "02:00:00:00:00:10", "type", "veth", "peer", "name", "out1"][..],
+        &["link", "set", "out0", "up"],
+        &["link", "set", "out1", "up"],
+        &["link", "set", "lo", "up"],
+        &["addr", "add", "192.0.2.1/24", "dev", "out0"],
+        &["route", "add", &format!("{BACKEND}/32"), "via", "192.0.2.2", "dev", "out0"],
+        &["neigh", "replace", "192.0.2.2", "lladdr", "02:00:00:00:00:20", "dev", "out0", "nud", "permanent"],
+    ] {
+        ns.ip(args).unwrap();
+    }
+    // `all` sets every interface's, loopback's (the frame's way in) too.
+    ns.sysctl("net.ipv4.conf.all.forwarding", "1").unwrap();
+    let checked = ns.run(move || -> Result<(), String> {
+        let out0 = nix::net::if_::if_nametoindex("out0").map_err(|e| format!("out0: {e}"))?;
+        let mut fx = Fixture::with_xdp("fixtures-xdp-send-out", install_services).map_err(|e| format!("{e:#}"))?;
+        install_policy(&mut fx.maps).map_err(|e| format!("{e:#}"))?;
+        let run = |fx: &Fixture, what: &str, input: &[u8]| {
+            let run = fx.run_xdp(input).map_err(|e| format!("{what}: test run: {e}"))?;
+            println!("{what}: {} ({} bytes)", xdp_verdict_name(run.verdict), run.frame.len());
+            Ok::<_, String>(run)
+        };
+
+        let before = run(&fx, "out of an interface XDP is not on", &tcp_syn((EXTERNAL, 40100), (VIP, 80)))?;
+        if before.verdict != XDP_PASS || !before.finished {
+            return Err(format!("not allowed out of out0: want a translated frame up the stack, got {}", xdp_verdict_name(before.verdict)));
+        }
+
+        fx.allow_xdp_sending(out0).map_err(|e| format!("{e:#}"))?;
+        let sent = run(&fx, "masqueraded SYN, out of out0", &tcp_syn((EXTERNAL, 40101), (VIP, 80)))?;
+        let mut want = with_ipv4_header(tcp_syn((NODE_IP, 40101), (BACKEND, 8080)), |h| h[8] -= 1);
+        want[..6].copy_from_slice(&NEXT_HOP_MAC);
+        want[6..12].copy_from_slice(&OUT_MAC);
+        if sent.verdict != XDP_REDIRECT || sent.frame != want {
+            return Err(format!("want XDP_REDIRECT and the SNATed frame, got {}: {}", xdp_verdict_name(sent.verdict), diff(&want, &sent.frame)));
+        }
+        frames::check_checksums(&sent.frame)?;
+        if fx.xdp_sent(out0).map_err(|e| format!("{e:#}"))? != 1 {
+            return Err("XDP_DEVICES did not count the frame sent out of out0".into());
+        }
+
+        let last_hop = with_ipv4_header(tcp_syn((EXTERNAL, 40102), (VIP, 80)), |h| h[8] = 1);
+        let expiring = run(&fx, "TTL 1", &last_hop)?;
+        if expiring.verdict != XDP_PASS {
+            return Err(format!("TTL 1: want it up the stack (its ICMP time exceeded), got {}", xdp_verdict_name(expiring.verdict)));
+        }
+        Ok(())
+    });
+    checked.unwrap().unwrap();
 }
 
 #[test]

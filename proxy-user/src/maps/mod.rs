@@ -10,7 +10,7 @@ use std::{
 use anyhow::{Context, Result};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, ProgramArray, lpm_trie::Key},
+    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, PerCpuHashMap, ProgramArray, lpm_trie::Key},
     programs::{ProgramFd, SchedClassifier},
 };
 use ipnet::IpNet;
@@ -39,6 +39,8 @@ pub const TC_EGRESS: &str = "tc_egress";
 pub const TC_TRACE: &str = "tc_trace";
 /// Ingress's decisions in XDP, on `--xdp-devices` (see crate::xdp).
 pub const XDP_INGRESS: &str = "xdp_ingress";
+/// Sends out what xdp_ingress translated; tail-called (see crate::xdp).
+pub const XDP_SEND_OUT: &str = "xdp_send_out";
 
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
@@ -65,6 +67,10 @@ pub trait Fills {
 
 impl<K: aya::Pod, V: aya::Pod> Fills for HashMap<MapData, K, V> {
     const FILL: Fill = Fill::Counted(hash_entries::<K, V>);
+}
+
+impl<K: aya::Pod, V: aya::Pod> Fills for PerCpuHashMap<MapData, K, V> {
+    const FILL: Fill = Fill::Counted(per_cpu_hash_entries::<K, V>);
 }
 
 impl<K: aya::Pod, V: aya::Pod> Fills for LpmTrie<MapData, K, V> {
@@ -153,6 +159,9 @@ pinned_maps! {
         ProgramArray<MapData> = MAP_REJECT_PROGRAMS,
         ProgramArray<MapData> = MAP_ICMP_PROGRAMS,
         ProgramArray<MapData> = MAP_FRAGMENT_PROGRAMS,
+        ProgramArray<MapData> = MAP_XDP_PROGRAMS,
+        // Written as XDP attaches (`crate::xdp::allow_sending`).
+        PerCpuHashMap<MapData, u32, u64> = MAP_XDP_DEVICES,
     }
 }
 
@@ -169,6 +178,11 @@ pub const PINNED_MAPS: [&str; PINNED.len()] = {
 
 fn hash_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64> {
     let map: HashMap<MapData, K, V> = open_pin(root, name)?.try_into()?;
+    Ok(map.keys().filter(|k| k.is_ok()).count() as u64)
+}
+
+fn per_cpu_hash_entries<K: aya::Pod, V: aya::Pod>(root: &Path, name: &str) -> Result<u64> {
+    let map: PerCpuHashMap<MapData, K, V> = open_pin(root, name)?.try_into()?;
     Ok(map.keys().filter(|k| k.is_ok()).count() as u64)
 }
 
@@ -434,7 +448,7 @@ fn load_object(options: &LoadOptions, kind: LinkKind) -> Result<Ebpf> {
 }
 
 /// A pinned map, opened (without holding it).
-fn open_pin(root: &Path, name: &str) -> Result<Map> {
+pub fn open_pin(root: &Path, name: &str) -> Result<Map> {
     let path = root.join(name);
     let data = MapData::from_pin(&path).with_context(|| {
         format!("no pinned map at {} (is --bpffs-root right, and has the agent run on this node?)", path.display())

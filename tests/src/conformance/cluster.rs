@@ -42,6 +42,7 @@ use anyhow::{Context, Result};
 
 use crate::{
     agent::{Agent, agent_bin, dump_json, wait_until},
+    bpf_unit::Unit,
     bpffs::Bpffs,
     cgroup::Cgroup,
     echo::EchoServer,
@@ -110,6 +111,10 @@ pub struct Cluster {
     upstream: Netns,
     pub test_node: Node,
     pub node2: Node,
+    /// Endpoints on node2: the ones test-node forwards to over the LAN.
+    pub remote_endpoints: BTreeSet<IpAddr>,
+    /// With `wire_checksums`: the bridge ports' pass-everything XDP.
+    _lan_xdp: Option<Unit>,
     _lan: Netns,
     bpffs: Vec<Bpffs>,
     /// One per agent, in the agents' order: test-node's first.
@@ -224,6 +229,17 @@ impl Cluster {
             externals.insert(*ip, ns);
         }
 
+        // Native XDP on a node's LAN veth sends frames back to the LAN
+        // (XDP_TX): its bridge port takes them only when it runs native XDP
+        // itself.
+        let lan_xdp = if plan.wire_checksums {
+            let mut unit = Unit::load(&format!("{}-lan", test_node.prefix))?;
+            let ports: Vec<String> = (1..=port_no).map(|n| format!("p{n}")).collect();
+            Some(lan.run(move || unit.attach_xdp_pass(&ports).map(|()| unit))??)
+        } else {
+            None
+        };
+
         let mut pods = BTreeMap::new();
         let mut servers = Vec::new();
         for (n, (ip, spec)) in plan.endpoints.iter().enumerate() {
@@ -261,6 +277,8 @@ impl Cluster {
             upstream,
             test_node,
             node2,
+            remote_endpoints: plan.endpoints.iter().filter(|(_, spec)| !spec.on_test_node).map(|(ip, _)| *ip).collect(),
+            _lan_xdp: lan_xdp,
             _lan: lan,
             bpffs: Vec::new(),
             cgroups: Vec::new(),
@@ -353,6 +371,12 @@ impl Cluster {
     pub fn test_node_counters(&self) -> Result<Vec<u64>> {
         let agent = self.agents.first().context("no agent started")?;
         proxy_user::maps::pinned_counters(&agent.bpffs_root)
+    }
+
+    /// The frames test-node's XDP sent out itself, over its interfaces.
+    pub fn test_node_xdp_sent(&self) -> Result<u64> {
+        let agent = self.agents.first().context("no agent started")?;
+        Ok(proxy_user::xdp::sent(&agent.bpffs_root)?.iter().map(|(_, n)| n).sum())
     }
 
     /// `dump services -o json` of the agent on test-node.

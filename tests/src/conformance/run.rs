@@ -320,18 +320,25 @@ fn build(setup: &Setup, datapath: Datapath) -> Result<Cluster> {
 /// `run_case`, and for an IPv4 external client's packet that reaches an
 /// endpoint, whether test-node's XDP program decided it (xdp_finished
 /// moved while the case ran): XDP must take that traffic, not leave it
-/// all to TC.
+/// all to TC. When every endpoint it may reach is on node2 (TCP or UDP),
+/// XDP must also have sent it out itself (XDP_TX back onto the LAN), not
+/// up test-node's stack.
 fn run_case_through_xdp(cluster: &Cluster, case: &Case, netprobe: &Path) -> (Status, String) {
+    let expect = case.expect();
     let xdp_finishes = origin(case) == Origin::External
         && case.source_ip.is_ipv4()
-        && matches!(case.expect(), Ok(Expect::Endpoints(_)));
-    let before = cluster.test_node_counters().ok();
+        && matches!(expect, Ok(Expect::Endpoints(_)));
+    let xdp_sends = xdp_finishes
+        && case.protocol != Protocol::SCTP
+        && matches!(&expect, Ok(Expect::Endpoints(eps)) if eps.iter().all(|e| cluster.remote_endpoints.contains(&e.ip())));
+    let before = cluster.test_node_counters().ok().zip(cluster.test_node_xdp_sent().ok());
     let (status, detail) = run_case(cluster, case, netprobe);
-    let after = cluster.test_node_counters().ok();
-    let (Some(before), Some(after)) = (before, after) else {
+    let after = cluster.test_node_counters().ok().zip(cluster.test_node_xdp_sent().ok());
+    let (Some((before, sent_before)), Some((after, sent_after))) = (before, after) else {
         return (Status::Fail, format!("{detail}; test-node's counters could not be read"));
     };
     let moved = |c: proxy_common::Counter| after[c as usize] - before[c as usize];
+    let sent = sent_after - sent_before;
     if status != Status::Pass {
         // What test-node's datapath did meanwhile, to tell XDP's part.
         let counters: Vec<String> = proxy_common::Counter::ALL
@@ -339,12 +346,15 @@ fn run_case_through_xdp(cluster: &Cluster, case: &Case, netprobe: &Path) -> (Sta
             .filter(|c| moved(**c) > 0)
             .map(|c| format!("{}+{}", c.name(), moved(*c)))
             .collect();
-        return (status, format!("{detail} [test-node counters: {}]", counters.join(" ")));
+        return (status, format!("{detail} [test-node counters: {}; sent out by XDP: {sent}]", counters.join(" ")));
     }
     match moved(proxy_common::Counter::XdpFinished) {
         0 if xdp_finishes => (Status::Fail, format!("{detail}, but not in XDP: xdp_finished did not move (all left to TC)")),
+        _ if xdp_sends && sent == 0 => {
+            (Status::Fail, format!("{detail}, but XDP sent none of it out itself (all up test-node's stack)"))
+        }
         0 => (status, detail),
-        n => (status, format!("{detail}; {n} packets decided in XDP")),
+        n => (status, format!("{detail}; {n} packets decided in XDP, {sent} sent out by XDP")),
     }
 }
 
