@@ -104,13 +104,29 @@ impl Unit {
     /// `xdp_pass` in native mode on each interface (by name, in the calling
     /// thread's network namespace), for as long as this `Unit` lives.
     pub fn attach_xdp_pass(&mut self, interfaces: &[String]) -> Result<()> {
-        let prog: &mut Xdp = self.ebpf.program_mut("xdp_pass").context("no program xdp_pass")?.try_into()?;
-        prog.load().context("the verifier refuses xdp_pass")?;
+        self.attach_xdp("xdp_pass", interfaces)
+    }
+
+    /// The XDP `program` in native mode on each interface, as `attach_xdp_pass`.
+    pub fn attach_xdp(&mut self, program: &str, interfaces: &[String]) -> Result<()> {
+        let prog: &mut Xdp = self.ebpf.program_mut(program).with_context(|| format!("no program {program}"))?.try_into()?;
+        if prog.fd().is_err() {
+            prog.load().with_context(|| format!("the verifier refuses {program}"))?;
+        }
         for name in interfaces {
             let ifindex = nix::net::if_::if_nametoindex(name.as_str()).with_context(|| format!("no interface {name}"))?;
-            prog.attach(ifindex, XdpMode::Driver).with_context(|| format!("native XDP on {name}"))?;
+            prog.attach(ifindex, XdpMode::Driver).with_context(|| format!("native XDP {program} on {name}"))?;
         }
         Ok(())
+    }
+
+    /// The loaded object, for programs and maps no helper here covers.
+    pub fn ebpf(&self) -> &Ebpf {
+        &self.ebpf
+    }
+
+    pub fn ebpf_mut(&mut self) -> &mut Ebpf {
+        &mut self.ebpf
     }
 
     /// A hash map of the object (LRU or not) by name.

@@ -7,6 +7,7 @@
 pub mod conntrack;
 pub mod lb;
 pub mod nat;
+pub mod pktgen;
 pub mod reject;
 
 use aya_ebpf::{

@@ -6,3 +6,4 @@
 pub mod load;
 pub mod rules;
 pub mod services;
+pub mod xdp_gen;

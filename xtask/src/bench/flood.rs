@@ -75,7 +75,7 @@ pub fn run(work: &Path, window: Duration, rates: &[u32]) -> Result<Results> {
         let (node, backend, external) = probe_topology("flood")?;
         let endpoints = proxy_tests::bench::services::probe_endpoints();
         let _echo = RawEcho::start_on(&backend.ns, TCP_TARGET, UDP_TARGET, &endpoints)?;
-        let _proxy = program(&node.ns, peer, &manifests, &ipt, &nft)?;
+        let _proxy = program(&node.ns, peer, &manifests, &ipt, &nft, &[])?;
         let mut steps = Vec::new();
         for &rate in rates {
             let step = step(&external.ns, rate, window)?;

@@ -4,13 +4,16 @@
 //! One module per family: `micro` (BPF_PROG_TEST_RUN), `traffic` (real
 //! traffic in namespaces, with the kube-proxy rule sets and no proxy beside
 //! it), `control` (sync time, change latency, memory), `flood` (spoofed SYN
-//! floods against established flows, beside kube-proxy's nftables rules);
+//! floods against established flows, beside kube-proxy's nftables rules),
+//! `pps` (packets per second a node forwards for a NodePort: XDP, TC and
+//! the kube-proxy rule sets);
 //! `report` writes the page and `plot` the figures.
 
 mod control;
 mod flood;
 mod micro;
 mod plot;
+mod pps;
 mod report;
 mod traffic;
 
@@ -25,6 +28,7 @@ pub enum Family {
     Traffic,
     Control,
     Flood,
+    Pps,
 }
 
 #[derive(Args, Debug)]
@@ -47,6 +51,7 @@ pub struct Measured {
     pub traffic: Option<traffic::Results>,
     pub control: Option<control::Results>,
     pub flood: Option<flood::Results>,
+    pub pps: Option<pps::Results>,
     pub command: String,
     pub wall: Duration,
 }
@@ -57,7 +62,7 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
     let wants = |f: Family| opts.only.is_empty() || opts.only.contains(&f);
     // The micro-benchmark runs the BPF object xtask embeds; only the other
     // families start the agent, so only they need its release build.
-    if wants(Family::Traffic) || wants(Family::Control) || wants(Family::Flood) {
+    if wants(Family::Traffic) || wants(Family::Control) || wants(Family::Flood) || wants(Family::Pps) {
         let bin = crate::cargo::build_agent(true)?;
         // The tests' helpers start the agent named by this variable; set
         // before any thread exists.
@@ -97,6 +102,15 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
             (Duration::from_secs(2), &[10_000, 20_000, 40_000, 80_000, 160_000, 320_000])
         };
         m.flood = Some(flood::run(work.path(), window, rates)?);
+    }
+    if wants(Family::Pps) {
+        eprintln!("==> packets per second through a NodePort");
+        let (warmup, window, rounds) = if opts.quick {
+            (Duration::from_millis(500), Duration::from_secs(1), 1)
+        } else {
+            (Duration::from_secs(1), Duration::from_secs(2), 3)
+        };
+        m.pps = Some(pps::run(work.path(), warmup, window, rounds)?);
     }
     m.wall = started.elapsed();
     let out = crate::cargo::workspace_root().join(&opts.out);

@@ -12,6 +12,7 @@ use super::{
     control::{self, ChangeSource},
     flood,
     micro::{self, Flow},
+    pps::{self, Datapath},
     plot::{self, Line, Panel, si},
     traffic::{self, Kind, Peer},
 };
@@ -49,6 +50,10 @@ pub fn write(out: &Path, m: &Measured) -> Result<()> {
         flood_section(&mut md, r);
     } else {
         let _ = writeln!(md, "## SYN flood\n\nNot run in this invocation (`./x bench --only flood`).\n");
+    }
+    // A newer family: its section appears only when it ran.
+    if let Some(r) = &m.pps {
+        pps_section(&mut md, r);
     }
     not_measured(&mut md);
     let path = out.join("benchmarks.md");
@@ -729,6 +734,76 @@ fn flood_section(md: &mut String, r: &flood::Results) {
     );
 }
 
+fn pps_section(md: &mut String, r: &pps::Results) {
+    let _ = writeln!(md, "## Packets per second through a NodePort\n");
+    let _ = writeln!(md, "Command: `./x bench --only pps`\n");
+    let _ = writeln!(
+        md,
+        "How many packets one node forwards for a NodePort (`xtask/src/bench/pps.rs`). A generator \
+         namespace sends 60-byte UDP frames from an external address to the NodePort on the node's \
+         address, over {} source ports (flows), over a veth; the node translates them (masquerade: \
+         externalTrafficPolicy Cluster) and routes them to the probe Service's endpoints through a next hop \
+         back on the generator's side of the veth, where a sink counts what arrives. Generator and sink are \
+         XDP programs (BPF_PROG_TEST_RUN in live-frames mode sends, native XDP on the generator's veth \
+         counts and drops), so no socket is involved: the node's forwarding is the cost measured. The \
+         datapaths: ebpf-proxy with native XDP on the node's veth \
+         (`--xdp-devices`; the frames XDP sends out itself are counted, and the column says so when under \
+         {:.0}% of the delivered ones were), ebpf-proxy on TC only, kube-proxy's nftables and iptables \
+         rules as in the real-traffic section, and no proxy (the generator sends to an endpoint directly: \
+         plain forwarding, the ceiling of the stack path). Each datapath has its own topology; {:.1} s \
+         warm-up then a {:.1} s window, in {} rounds, each round visiting every datapath in turn; the \
+         median of the rounds counts. CPU is the whole machine's busy time over the window per million \
+         delivered packets, background load included.\n",
+        pps::FLOWS,
+        pps::XDP_SHARE_MIN * 100.0,
+        r.warmup.as_secs_f64(),
+        r.window.as_secs_f64(),
+        r.rounds
+    );
+    let mut header = String::from("| datapath |");
+    let mut rule = String::from("|---|");
+    for n in traffic::SCALES {
+        let _ = write!(header, " Mpps at {n} services | CPU s / M packets at {n} |");
+        rule.push_str("---:|---:|");
+    }
+    let _ = writeln!(md, "{header}\n{rule}");
+    for dp in Datapath::ALL {
+        let mut line = format!("| {} |", dp.label());
+        for n in traffic::SCALES {
+            match r.row(n, dp) {
+                Some(row) => {
+                    let note = match row.xdp_share {
+                        Some(s) if s < pps::XDP_SHARE_MIN => {
+                            format!(" (not really XDP: {:.0}% sent out by XDP)", s * 100.0)
+                        }
+                        Some(s) => format!(" ({:.0}% sent out by XDP)", s * 100.0),
+                        None => String::new(),
+                    };
+                    let _ = write!(line, " {:.2}{note} | {:.2} |", row.mpps, row.cpu_per_mpkt);
+                }
+                None => line.push_str(" - | - |"),
+            }
+        }
+        let _ = writeln!(md, "{line}");
+    }
+    let _ = writeln!(md, "\n| Services | XDP / TC | XDP / iptables-nft | XDP / nftables | XDP / no proxy |\n|---:|---:|---:|---:|---:|");
+    for n in traffic::SCALES {
+        let Some(xdp) = r.row(n, Datapath::Xdp) else { continue };
+        // Ratios of stack-path numbers are not XDP's.
+        let flag = if xdp.xdp_share.is_some_and(|s| s >= pps::XDP_SHARE_MIN) { "" } else { " (not XDP)" };
+        let ratio = |dp| r.row(n, dp).map_or("-".to_string(), |o| format!("{:.2}{flag}", xdp.mpps / o.mpps));
+        let _ = writeln!(
+            md,
+            "| {n} | {} | {} | {} | {} |",
+            ratio(Datapath::Tc),
+            ratio(Datapath::IptablesNft),
+            ratio(Datapath::Nftables),
+            ratio(Datapath::NoProxy)
+        );
+    }
+    let _ = writeln!(md);
+}
+
 fn not_measured(md: &mut String) {
     let _ = writeln!(
         md,
@@ -774,6 +849,29 @@ mod tests {
         }
         let rows = md.lines().filter(|l| l.starts_with("| TCP connect+request/s, server closes |")).count();
         assert_eq!(rows, traffic::SCALES.len() * Kind::ALL.len(), "one row per scale and kind\n{md}");
+        Ok(())
+    }
+
+    /// The pps section appears only when the family ran, and an XDP column
+    /// that XDP mostly did not send out says so, its ratios too.
+    #[test]
+    fn pps_section_only_when_run_and_stack_path_xdp_is_flagged() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        write(dir.path(), &Measured::default())?;
+        let md = std::fs::read_to_string(dir.path().join("benchmarks.md"))?;
+        assert!(!md.contains("Packets per second"), "{md}");
+        let mut r = pps::Results { rounds: 1, ..Default::default() };
+        for services in traffic::SCALES {
+            for datapath in Datapath::ALL {
+                let xdp_share = (datapath == Datapath::Xdp).then_some(0.5);
+                r.rows.push(pps::Row { services, datapath, mpps: 1.0, rounds: vec![1.0], cpu_per_mpkt: 1.0, xdp_share });
+            }
+        }
+        write(dir.path(), &Measured { pps: Some(r), ..Default::default() })?;
+        let md = std::fs::read_to_string(dir.path().join("benchmarks.md"))?;
+        assert!(md.contains("## Packets per second through a NodePort"), "{md}");
+        assert!(md.contains("| ebpf-proxy XDP | 1.00 (not really XDP: 50% sent out by XDP) |"), "{md}");
+        assert_eq!(md.matches("1.00 (not XDP)").count(), traffic::SCALES.len() * 4, "{md}");
         Ok(())
     }
 }

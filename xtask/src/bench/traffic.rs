@@ -232,7 +232,7 @@ impl Bench {
     }
 
     fn program(&self, peer: Peer, manifests: &Path, ipt: &Path, nft: &Path) -> Result<Option<(Agent, Bpffs, Cgroup)>> {
-        program(&self.node.ns, peer, manifests, ipt, nft)
+        program(&self.node.ns, peer, manifests, ipt, nft, &[])
     }
 }
 
@@ -253,8 +253,16 @@ pub(super) fn probe_topology(label: &str) -> Result<(Node, Pod, External)> {
 
 /// Puts `peer` in place in the node namespace `ns`; for ebpf-proxy, the
 /// agent, its bpffs and the cgroup for its socket hooks, kept while it is
-/// measured (rules go with the node namespace).
-pub(super) fn program(ns: &Netns, peer: Peer, manifests: &Path, ipt: &Path, nft: &Path) -> Result<Option<(Agent, Bpffs, Cgroup)>> {
+/// measured (rules go with the node namespace). `agent_flags` go to the
+/// agent only.
+pub(super) fn program(
+    ns: &Netns,
+    peer: Peer,
+    manifests: &Path,
+    ipt: &Path,
+    nft: &Path,
+    agent_flags: &[&str],
+) -> Result<Option<(Agent, Bpffs, Cgroup)>> {
     match peer {
         Peer::EbpfProxy => {
             let bpffs = Bpffs::new("bench-traffic")?;
@@ -265,6 +273,7 @@ pub(super) fn program(ns: &Netns, peer: Peer, manifests: &Path, ipt: &Path, nft:
             let mut flags = AGENT_FLAGS.to_vec();
             let cg = cgroup.path().to_string_lossy().into_owned();
             flags.extend(["--cgroup-root", &cg]);
+            flags.extend_from_slice(agent_flags);
             let mut agent = Agent::start(ns, manifests, &bpffs.path().join("ebpf-proxy"), &flags)?;
             agent.wait_healthy(ns, Duration::from_secs(300))?;
             Ok(Some((agent, bpffs, cgroup)))

@@ -1,0 +1,248 @@
+//! Packets per second one node forwards for a NodePort, per datapath. A
+//! generator namespace sends UDP from an external address to the NodePort
+//! on the node's address over a veth; the node translates it (masquerade:
+//! externalTrafficPolicy Cluster) and routes it to the backends through a
+//! next hop back on the generator's side, where a sink counts it. The
+//! generator and sink are XDP programs (tests/src/bench/xdp_gen.rs), so
+//! no socket is involved and the node's forwarding is the cost measured.
+//!
+//! Datapaths: ebpf-proxy with native XDP on the node's veth, ebpf-proxy on
+//! TC only, kube-proxy's nftables and iptables rules (traffic.rs's peers),
+//! and no proxy (the generator sends to a backend directly: plain
+//! forwarding, the stack path's ceiling). As in traffic.rs, each has its
+//! own topology, and rounds visit them in turn.
+
+use std::{
+    net::Ipv4Addr,
+    path::Path,
+    sync::atomic::{AtomicBool, Ordering},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, ensure};
+use proxy_tests::{
+    agent::Agent,
+    bench::{
+        services::{ServiceSet, UDP_NODE_PORT, UDP_TARGET, probe_endpoints},
+        xdp_gen::{Pktgen, udp_frame},
+    },
+    bpffs::Bpffs,
+    cgroup::Cgroup,
+    topology::{External, Node, mac_of},
+};
+
+use super::traffic::{NODE_IP, Peer, PeerFiles, SCALES, program};
+
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+/// The next hop to the backends: the generator's end of the veth.
+const NEXT_HOP: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 254);
+/// Source ports the generator cycles through: one conntrack flow each.
+pub const FLOWS: u32 = 4096;
+/// Under this share of delivered frames sent out by XDP itself, the XDP
+/// column measures the stack path and says so.
+pub const XDP_SHARE_MIN: f64 = 0.9;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Datapath {
+    Xdp,
+    Tc,
+    Nftables,
+    IptablesNft,
+    IptablesLegacy,
+    NoProxy,
+}
+
+impl Datapath {
+    pub const ALL: [Datapath; 6] =
+        [Datapath::Xdp, Datapath::Tc, Datapath::Nftables, Datapath::IptablesNft, Datapath::IptablesLegacy, Datapath::NoProxy];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Datapath::Xdp => "ebpf-proxy XDP",
+            Datapath::Tc => "ebpf-proxy TC",
+            other => other.peer().label(),
+        }
+    }
+
+    fn peer(self) -> Peer {
+        match self {
+            Datapath::Xdp | Datapath::Tc => Peer::EbpfProxy,
+            Datapath::Nftables => Peer::Nftables,
+            Datapath::IptablesNft => Peer::IptablesNft,
+            Datapath::IptablesLegacy => Peer::IptablesLegacy,
+            Datapath::NoProxy => Peer::NoProxy,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Row {
+    pub services: usize,
+    pub datapath: Datapath,
+    /// Million packets per second delivered to the sink: median of the rounds.
+    pub mpps: f64,
+    pub rounds: Vec<f64>,
+    /// Busy CPU seconds (the whole machine) per million packets: median.
+    pub cpu_per_mpkt: f64,
+    /// XDP only: the share of delivered frames XDP sent out itself (median).
+    pub xdp_share: Option<f64>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Results {
+    pub rows: Vec<Row>,
+    pub warmup: Duration,
+    pub window: Duration,
+    pub rounds: usize,
+}
+
+impl Results {
+    pub fn row(&self, services: usize, datapath: Datapath) -> Option<&Row> {
+        self.rows.iter().find(|r| r.services == services && r.datapath == datapath)
+    }
+}
+
+/// One window's figures.
+struct Sample {
+    mpps: f64,
+    cpu_per_mpkt: f64,
+    xdp_share: Option<f64>,
+}
+
+pub fn run(work: &Path, warmup: Duration, window: Duration, rounds: usize) -> Result<Results> {
+    let mut out = Results { warmup, window, rounds, ..Results::default() };
+    for &scale in &SCALES {
+        let files = PeerFiles::write(&ServiceSet::new(scale), &work.join(format!("pps-{scale}")))?;
+        let mut benches = Vec::new();
+        for dp in Datapath::ALL {
+            eprintln!("    pps: {scale} services: programming {}", dp.label());
+            benches.push(Bench::new(dp, &files)?);
+        }
+        let mut samples: Vec<Vec<Sample>> = benches.iter().map(|_| Vec::new()).collect();
+        for round in 0..rounds {
+            // A different datapath goes first each round.
+            for k in 0..benches.len() {
+                let i = (k + round) % benches.len();
+                let s = benches[i].measure(warmup, window)?;
+                ensure!(s.mpps > 0.0, "{} at {scale} services: nothing got through", benches[i].datapath.label());
+                samples[i].push(s);
+            }
+        }
+        for (bench, samples) in benches.iter().zip(&samples) {
+            let rates: Vec<f64> = samples.iter().map(|s| s.mpps).collect();
+            let cpu: Vec<f64> = samples.iter().map(|s| s.cpu_per_mpkt).collect();
+            let shares: Vec<f64> = samples.iter().filter_map(|s| s.xdp_share).collect();
+            let row = Row {
+                services: scale,
+                datapath: bench.datapath,
+                mpps: super::micro::median(&rates),
+                cpu_per_mpkt: super::micro::median(&cpu),
+                xdp_share: (!shares.is_empty()).then(|| super::micro::median(&shares)),
+                rounds: rates,
+            };
+            eprintln!(
+                "      {:<30} {:>6.2} Mpps  {:>5.2} CPU s/Mpkt{}  rounds {:?}",
+                row.datapath.label(),
+                row.mpps,
+                row.cpu_per_mpkt,
+                row.xdp_share.map_or(String::new(), |s| format!("  sent out by XDP {:.0}%", s * 100.0)),
+                row.rounds.iter().map(|r| (r * 100.0).round() / 100.0).collect::<Vec<_>>()
+            );
+            out.rows.push(row);
+        }
+    }
+    Ok(out)
+}
+
+/// One datapath's topology: node <-> generator over one veth.
+struct Bench {
+    datapath: Datapath,
+    // Drop order: the agent (and its XDP) first, then the generator's
+    // programs, then the namespaces.
+    proxy: Option<(Agent, Bpffs, Cgroup)>,
+    pktgen: Pktgen,
+    lan: External,
+    _node: Node,
+}
+
+impl Bench {
+    fn new(datapath: Datapath, files: &PeerFiles) -> Result<Bench> {
+        let mut node = Node::new("pps")?;
+        let lan = node.add_external("gen", NODE_IP, &[EXTERNAL_IP], &[])?;
+        let n0 = lan.node_if.clone();
+        // Forwarded frames leave by the interface they came in on: no ICMP redirects.
+        node.ns.sysctl("net.ipv4.conf.all.send_redirects", "0")?;
+        node.ns.sysctl(&format!("net.ipv4.conf.{n0}.send_redirects"), "0")?;
+        let gen_mac = mac_of(&lan.ns, "eth0")?;
+        node.ns.ip(&["neigh", "replace", &NEXT_HOP.to_string(), "lladdr", &gen_mac, "dev", &n0, "nud", "permanent"])?;
+        let endpoints = probe_endpoints();
+        for ep in &endpoints {
+            node.ns.ip(&["route", "add", &format!("{ep}/32"), "via", &NEXT_HOP.to_string(), "dev", &n0])?;
+        }
+
+        let xdp_flags = ["--xdp-devices", n0.as_str(), "--xdp-mode", "native"];
+        let agent_flags: &[&str] = if datapath == Datapath::Xdp { &xdp_flags } else { &[] };
+        let proxy = program(&node.ns, datapath.peer(), &files.manifests, &files.ipt, &files.nft, agent_flags)?;
+
+        let (dst, dport) = if datapath == Datapath::NoProxy { (endpoints[0], UDP_TARGET) } else { (NODE_IP, UDP_NODE_PORT) };
+        let frame = udp_frame(mac(&gen_mac)?, mac(&mac_of(&node.ns, &n0)?)?, EXTERNAL_IP, dst, dport)?;
+        let mut pktgen = Pktgen::new("pps", frame, FLOWS, UDP_TARGET)?;
+        pktgen.attach_sink(&lan.ns, "eth0")?;
+        if datapath != Datapath::Xdp {
+            pktgen.attach_pass(&node.ns, &n0)?;
+        }
+        Ok(Bench { datapath, proxy, pktgen, lan, _node: node })
+    }
+
+    /// Sends for `warmup` + `window`; counts over the window.
+    fn measure(&self, warmup: Duration, window: Duration) -> Result<Sample> {
+        let stop = &AtomicBool::new(false);
+        let (pktgen, ns) = (&self.pktgen, &self.lan.ns);
+        thread::scope(|s| {
+            let sender = s.spawn(move || pktgen.send(ns, "eth0", stop));
+            let counted = (|| -> Result<Sample> {
+                thread::sleep(warmup);
+                let (sunk, xdp, cpu, t) = (self.pktgen.sunk()?, self.xdp_sent()?, cpu_busy()?, Instant::now());
+                thread::sleep(window);
+                let (sunk1, xdp1, cpu1, elapsed) = (self.pktgen.sunk()?, self.xdp_sent()?, cpu_busy()?, t.elapsed());
+                let delivered = (sunk1 - sunk) as f64;
+                Ok(Sample {
+                    mpps: delivered / elapsed.as_secs_f64() / 1e6,
+                    cpu_per_mpkt: (cpu1 - cpu) / (delivered / 1e6).max(1e-9),
+                    xdp_share: xdp.zip(xdp1).map(|(a, b)| (b - a) as f64 / delivered.max(1.0)),
+                })
+            })();
+            stop.store(true, Ordering::Relaxed);
+            sender.join().map_err(|_| anyhow::anyhow!("the generator panicked"))??;
+            counted
+        })
+    }
+
+    /// Frames ebpf-proxy's XDP sent out itself (XDP_DEVICES), XDP only.
+    fn xdp_sent(&self) -> Result<Option<u64>> {
+        match (&self.proxy, self.datapath) {
+            (Some((_, bpffs, _)), Datapath::Xdp) => {
+                let sent = proxy_user::xdp::sent(&bpffs.path().join("ebpf-proxy"))?;
+                Ok(Some(sent.iter().map(|(_, n)| n).sum()))
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
+/// Busy CPU seconds of the whole machine so far (/proc/stat: all but idle and iowait).
+fn cpu_busy() -> Result<f64> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let line = stat.lines().next().context("empty /proc/stat")?;
+    // user nice system idle iowait irq softirq steal (guest time is in user already).
+    let ticks: Vec<u64> = line.split_whitespace().skip(1).take(8).map(|f| f.parse().unwrap_or(0)).collect();
+    let busy: u64 = ticks.iter().enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, t)| t).sum();
+    // In USER_HZ, 100 on Linux.
+    Ok(busy as f64 / 100.0)
+}
+
+fn mac(text: &str) -> Result<[u8; 6]> {
+    let bytes: Vec<u8> = text.split(':').map(|b| u8::from_str_radix(b, 16)).collect::<Result<_, _>>()?;
+    bytes.try_into().map_err(|_| anyhow::anyhow!("not a MAC address: {text}"))
+}
