@@ -58,6 +58,8 @@ pub fn for_this_node() -> Result<SnatPorts> {
 /// The ephemeral range as TCP's drawing skips it: clipped to the ports it
 /// draws from, and never all of them (then it draws from all, and a drawn
 /// port may meet a node socket's later choice: warned about above).
+// The empty range (MAX..=MAX-1) is meant: no hole.
+#[allow(clippy::reversed_empty_ranges)]
 fn tcp_hole(ephemeral: &RangeInclusive<u16>) -> RangeInclusive<u16> {
     let hole = (*ephemeral.start()).max(TCP_SNAT_PORT_LOW)..=*ephemeral.end();
     let left = usize::from(u16::MAX - TCP_SNAT_PORT_LOW) + 1 - hole.clone().count();

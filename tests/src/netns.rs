@@ -59,6 +59,20 @@ impl Netns {
         }))
     }
 
+    /// As `run`, for an `f` that borrows (a scoped thread).
+    pub fn run_borrowing<R: Send>(&self, f: impl FnOnce() -> R + Send) -> Result<R> {
+        let file = File::open(format!("/run/netns/{}", self.name))
+            .with_context(|| format!("open netns {}", self.name))?;
+        thread::scope(|s| {
+            s.spawn(|| {
+                setns(&file, CloneFlags::CLONE_NEWNET).with_context(|| format!("setns {}", self.name))?;
+                Ok(f())
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("thread in netns {} panicked", self.name))?
+        })
+    }
+
     /// Runs `f` in the namespace and waits for it.
     pub fn run<F, R>(&self, f: F) -> Result<R>
     where

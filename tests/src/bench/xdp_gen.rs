@@ -5,10 +5,8 @@
 //! `xdp_pktsink` counts on that veth what came back.
 
 use std::{
-    fs::File,
     net::Ipv4Addr,
     sync::atomic::{AtomicBool, Ordering},
-    thread,
 };
 
 use anyhow::{Context, Result, ensure};
@@ -16,8 +14,6 @@ use aya::{
     maps::{Array, PerCpuArray},
     programs::{TestRun, TestRunAttrs, TestRunOptions, Xdp},
 };
-use nix::sched::{CloneFlags, setns};
-
 use crate::{bpf_unit::Unit, netns::Netns};
 
 /// Ethernet + IPv4 + UDP, as pktgen.rs rewrites it.
@@ -61,14 +57,14 @@ impl Pktgen {
     /// The sink on `ifname` in `ns`: the interface the generator sends out of.
     pub fn attach_sink(&mut self, ns: &Netns, ifname: &str) -> Result<()> {
         let unit = &mut self.unit;
-        in_netns(ns, || unit.attach_xdp("xdp_pktsink", &[ifname.to_string()]))?
+        ns.run_borrowing(|| unit.attach_xdp("xdp_pktsink", &[ifname.to_string()]))?
     }
 
     /// `xdp_pass` on `ifname` in `ns`: a veth takes the generator's frames
     /// only while it runs native XDP (or the proxy's own XDP is there).
     pub fn attach_pass(&mut self, ns: &Netns, ifname: &str) -> Result<()> {
         let unit = &mut self.unit;
-        in_netns(ns, || unit.attach_xdp_pass(&[ifname.to_string()]))?
+        ns.run_borrowing(|| unit.attach_xdp_pass(&[ifname.to_string()]))?
     }
 
     /// Frames the sink counted so far.
@@ -80,7 +76,7 @@ impl Pktgen {
     /// Sends out of `ifname` in `ns` until `stop`; the frames it sent.
     pub fn send(&self, ns: &Netns, ifname: &str, stop: &AtomicBool) -> Result<u64> {
         let prog: &Xdp = self.unit.ebpf().program("xdp_pktgen").context("no xdp_pktgen")?.try_into()?;
-        in_netns(ns, || {
+        ns.run_borrowing(|| {
             let ifindex = nix::net::if_::if_nametoindex(ifname).with_context(|| format!("no interface {ifname}"))?;
             // struct xdp_md: data, data_end (the frame's length), data_meta,
             // ingress_ifindex (where XDP_TX goes), rx_queue_index, egress_ifindex.
@@ -103,18 +99,4 @@ impl Pktgen {
             Ok(sent)
         })?
     }
-}
-
-/// Runs `f` on a thread inside `ns` and waits for it: unlike
-/// `Netns::run`, `f` may borrow.
-fn in_netns<R: Send>(ns: &Netns, f: impl FnOnce() -> R + Send) -> Result<R> {
-    let file = File::open(format!("/run/netns/{}", ns.name)).with_context(|| format!("open netns {}", ns.name))?;
-    thread::scope(|s| {
-        s.spawn(|| {
-            setns(&file, CloneFlags::CLONE_NEWNET).with_context(|| format!("setns {}", ns.name))?;
-            Ok(f())
-        })
-        .join()
-        .map_err(|_| anyhow::anyhow!("thread in netns {} panicked", ns.name))?
-    })
 }
