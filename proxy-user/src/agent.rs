@@ -120,18 +120,24 @@ pub async fn run(args: RunArgs) -> Result<()> {
         // (on a node with few cores they would otherwise share it, and the
         // first sync is what /healthz waits for): it takes what they leave.
         // In the agent's container cgroup, nice ranks it among the agent's
-        // own threads only, not against other pods.
+        // own threads only, not against other pods. The verifier's worker
+        // threads inherit it.
         lower_this_threads_priority();
         let verified = (|| -> Result<aya::Ebpf> {
             let mut ebpf = ebpf;
-            for (program, _, _) in attach::HOOKS {
-                maps::load_tc(&mut ebpf, program)?;
-            }
+            let mut programs: Vec<&str> = attach::HOOKS.iter().flat_map(|(program, _, _)| maps::tc_programs(program)).collect();
             if hooks {
-                cgroup::load(&mut ebpf)?;
+                programs.extend(cgroup::SOCK_PROGRAMS);
             }
             if load_xdp {
-                crate::xdp::load(&mut ebpf)?;
+                programs.extend(crate::xdp::PROGRAMS);
+            }
+            crate::verifier::verify_all(&mut ebpf, &programs)?;
+            for (program, _, _) in attach::HOOKS {
+                maps::install_tail_calls(&mut ebpf, program)?;
+            }
+            if load_xdp {
+                crate::xdp::install(&mut ebpf)?;
             }
             Ok(ebpf)
         })();

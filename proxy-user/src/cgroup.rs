@@ -60,10 +60,7 @@ pub fn resolve_root(flag: Option<&Path>) -> Result<PathBuf> {
 /// Loads the socket hooks (through the verifier), all before any is
 /// attached: a kernel that refuses one gets none.
 pub fn load(ebpf: &mut Ebpf) -> Result<()> {
-    for name in SOCK_PROGRAMS {
-        program(ebpf, name)?.load().map_err(|e| crate::kernel::rejected(name, &e))?;
-    }
-    Ok(())
+    crate::verifier::verify_all(ebpf, &SOCK_PROGRAMS)
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut CgroupSockAddr> {

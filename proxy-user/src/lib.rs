@@ -32,4 +32,5 @@ pub mod source;
 pub mod sysctl;
 pub mod topology;
 pub mod trace;
+pub mod verifier;
 pub mod xdp;

@@ -67,14 +67,17 @@ impl XdpSettings {
 }
 
 /// Through the verifier (before anything is attached, as the TC programs):
-/// xdp_ingress, and xdp_send_out into its slot of XDP_PROGRAMS.
+/// xdp_ingress, and xdp_send_out, installed in its slot of XDP_PROGRAMS.
 pub fn load(ebpf: &mut Ebpf) -> Result<()> {
-    for name in [XDP_INGRESS, XDP_SEND_OUT] {
-        let prog = program(ebpf, name)?;
-        let started = std::time::Instant::now();
-        prog.load().map_err(|e| crate::kernel::rejected(name, &e))?;
-        debug!(program = name, ms = started.elapsed().as_millis() as u64, "program loaded");
-    }
+    crate::verifier::verify_all(ebpf, &PROGRAMS)?;
+    install(ebpf)
+}
+
+/// The XDP programs, for `verifier::verify_all`.
+pub const PROGRAMS: [&str; 2] = [XDP_INGRESS, XDP_SEND_OUT];
+
+/// Installs xdp_send_out (verified) in its slot of XDP_PROGRAMS.
+pub fn install(ebpf: &mut Ebpf) -> Result<()> {
     let send_out = program(ebpf, XDP_SEND_OUT)?.fd()?.try_clone()?;
     let map = ebpf.map_mut(MAP_XDP_PROGRAMS).with_context(|| format!("map {MAP_XDP_PROGRAMS} missing from the BPF object"))?;
     let mut programs: ProgramArray<&mut MapData> = map.try_into()?;

@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, PerCpuHashMap, ProgramArray, lpm_trie::Key},
-    programs::{ProgramFd, SchedClassifier},
+    programs::SchedClassifier,
 };
 use ipnet::IpNet;
 use proxy_common::*;
@@ -27,6 +27,7 @@ use crate::{
     kernel::Features,
     maglev::MaglevParams,
     snat_ports::SnatPorts,
+    verifier,
 };
 
 /// The compiled datapath, built by aya-build from proxy-ebpf.
@@ -224,27 +225,30 @@ const TAIL_CALLED: [(&str, &str, &str, u32); 20] = [
     (TC_TRACE, "tc_trace6", MAP_IPV6_PROGRAMS, IPV6_PROG_TRACE),
 ];
 
-/// Loads the TC program `name` (through the verifier) and the programs it
-/// tail-calls, which it installs in their program arrays.
-pub fn load_tc(ebpf: &mut Ebpf, name: &str) -> Result<()> {
-    let load = |ebpf: &mut Ebpf, name: &str| -> Result<ProgramFd> {
-        let prog: &mut SchedClassifier =
-            ebpf.program_mut(name).with_context(|| format!("TC program {name} missing from the BPF object"))?.try_into()?;
-        let started = std::time::Instant::now();
-        prog.load().map_err(|e| crate::kernel::rejected(name, &e))?;
-        // The verifier's time: most of the agent's start.
-        tracing::debug!(program = name, ms = started.elapsed().as_millis() as u64, "program loaded");
-        Ok(prog.fd()?.try_clone()?)
-    };
-    load(ebpf, name)?;
+/// The TC program `name` and the programs it tail-calls.
+pub fn tc_programs(name: &str) -> impl Iterator<Item = &str> {
+    std::iter::once(name).chain(TAIL_CALLED.iter().filter(move |(n, ..)| *n == name).map(|(_, called, ..)| *called))
+}
+
+/// Installs the programs `name` tail-calls (verified) in their program arrays.
+pub fn install_tail_calls(ebpf: &mut Ebpf, name: &str) -> Result<()> {
     anyhow::ensure!(TAIL_CALLED.iter().any(|(n, ..)| *n == name), "{name}: not a TC program");
     for (_, called, map_name, slot) in TAIL_CALLED.iter().filter(|(n, ..)| *n == name) {
-        let program = load(ebpf, called)?;
+        let prog: &SchedClassifier =
+            ebpf.program(called).with_context(|| format!("TC program {called} missing from the BPF object"))?.try_into()?;
+        let program = prog.fd()?.try_clone()?;
         let map = ebpf.map_mut(map_name).with_context(|| format!("map {map_name} missing from the BPF object"))?;
         let mut programs: ProgramArray<&mut MapData> = map.try_into()?;
         programs.set(*slot, &program, 0).with_context(|| format!("installing {called} in {map_name}"))?;
     }
     Ok(())
+}
+
+/// Loads the TC program `name` (through the verifier) and the programs it
+/// tail-calls, which it installs in their program arrays.
+pub fn load_tc(ebpf: &mut Ebpf, name: &str) -> Result<()> {
+    verifier::verify_all(ebpf, &tc_programs(name).collect::<Vec<_>>())?;
+    install_tail_calls(ebpf, name)
 }
 
 /// The service maps' `max_entries` as the kernel holds them: this agent's

@@ -278,7 +278,8 @@ fn targets(md: &mut String, m: &Measured) {
                 met: Some(s.to_healthy < Duration::from_secs(1)),
                 why: format!(
                     "{phases}The agent starts its source before it loads the BPF object, and runs the first \
-                     sync while the verifier checks the programs, which are attached after it (on full maps). \
+                     sync while the verifier checks the programs (one thread per CPU, longest first, at a lower \
+                     priority than the sync), which are attached after it (on full maps). \
                      The manifests are read and parsed on every CPU, one YAML pass per file \
                      (serde_path_to_error runs only on a file that fails, to name the field and line); each \
                      document goes straight to its type, by its apiVersion and kind (serde's tagged enums). The first \
