@@ -9,7 +9,6 @@
 //! another L3 device.
 
 use aya_ebpf::{
-    EbpfContext,
     bindings::{BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup},
     helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
@@ -17,6 +16,7 @@ use aya_ebpf::{
 use proxy_common::Counter;
 
 use crate::{
+    context::{PacketContext, read},
     family::Family,
     headers::{ETH_ALEN, IPV4_DST_OFF, IPV4_SRC_OFF, IPV6_DST_OFF, IPV6_SRC_OFF},
     l2,
@@ -26,31 +26,48 @@ use crate::{
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
 
+/// The FIB's answer for the IPv4 (`V6`: IPv6) packet at `l3_off`, as for a
+/// packet arriving on `ingress` (the output variant would bind the route to
+/// it): the lookup's return code and its filled-in struct (out interface,
+/// MAC addresses). A non-zero `tot_len` also checks it against the route's
+/// MTU. The struct is the per-CPU `FIB_SCRATCH` entry, in map memory: the
+/// callers' stacks are nearly full. (TC egress and XDP both ask here.)
+#[inline(always)]
+pub fn lookup<F: Family>(
+    ctx: &impl PacketContext,
+    l3_off: usize,
+    ingress: u32,
+    proto: u8,
+    tot_len: u16,
+) -> Result<(u32, &'static bpf_fib_lookup), Counter> {
+    let fib = unsafe { &mut *FIB_SCRATCH.get_ptr_mut(0).ok_or(Counter::NodeRouteFailed)? };
+    // SAFETY: plain data; zero is a valid value of every field.
+    *fib = unsafe { core::mem::zeroed() };
+    if F::V6 {
+        fib.family = AF_INET6;
+        fib.__bindgen_anon_3.ipv6_src = read(ctx, l3_off + IPV6_SRC_OFF).ok_or(Counter::Malformed)?;
+        fib.__bindgen_anon_4.ipv6_dst = read(ctx, l3_off + IPV6_DST_OFF).ok_or(Counter::Malformed)?;
+    } else {
+        fib.family = AF_INET;
+        fib.__bindgen_anon_3.ipv4_src = read(ctx, l3_off + IPV4_SRC_OFF).ok_or(Counter::Malformed)?;
+        fib.__bindgen_anon_4.ipv4_dst = read(ctx, l3_off + IPV4_DST_OFF).ok_or(Counter::Malformed)?;
+    }
+    fib.l4_protocol = proto;
+    fib.ifindex = ingress;
+    fib.__bindgen_anon_1.tot_len = tot_len;
+    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), fib, size, 0) } as u32;
+    Ok((rc, fib))
+}
+
 /// Redirects the IPv4 (`V6`: IPv6) packet at `l3_off` to the interface the
 /// FIB routes its (already translated) destination through. `Err` with the
 /// counter to note when there is no such route to forward on: a backend on
 /// the node itself, or forwarding disabled.
 #[inline(always)]
 pub fn to_destination<F: Family>(ctx: &TcContext, l3_off: usize, proto: u8) -> Result<i32, Counter> {
-    // In map memory: the node program's stack is nearly full.
-    let fib = unsafe { &mut *FIB_SCRATCH.get_ptr_mut(0).ok_or(Counter::NodeRouteFailed)? };
-    // SAFETY: plain data; zero is a valid value of every field.
-    *fib = unsafe { core::mem::zeroed() };
-    if F::V6 {
-        fib.family = AF_INET6;
-        fib.__bindgen_anon_3.ipv6_src = crate::context::read(ctx, l3_off + IPV6_SRC_OFF).ok_or(Counter::Malformed)?;
-        fib.__bindgen_anon_4.ipv6_dst = crate::context::read(ctx, l3_off + IPV6_DST_OFF).ok_or(Counter::Malformed)?;
-    } else {
-        fib.family = AF_INET;
-        fib.__bindgen_anon_3.ipv4_src = crate::context::read(ctx, l3_off + IPV4_SRC_OFF).ok_or(Counter::Malformed)?;
-        fib.__bindgen_anon_4.ipv4_dst = crate::context::read(ctx, l3_off + IPV4_DST_OFF).ok_or(Counter::Malformed)?;
-    }
-    fib.l4_protocol = proto;
-    fib.ifindex = crate::skb::ifindex(ctx);
-    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
-    // A lookup as for a packet arriving on this interface (the output
-    // variant would bind the route to it).
-    let rc = unsafe { fib_lookup(ctx.as_ptr(), fib, size, 0) } as u32;
+    // No MTU check: a TC packet may be a GSO one, segmented later.
+    let (rc, fib) = lookup::<F>(ctx, l3_off, crate::skb::ifindex(ctx), proto, 0)?;
     let ifindex = fib.ifindex;
     match rc {
         BPF_FIB_LKUP_RET_SUCCESS => {

@@ -14,9 +14,8 @@
 //! pass the kernel's 512 bytes.
 
 use aya_ebpf::{
-    EbpfContext,
-    bindings::{BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup, xdp_action},
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect},
+    bindings::{BPF_FIB_LKUP_RET_SUCCESS, xdp_action},
+    helpers::bpf_redirect,
     programs::XdpContext,
 };
 use proxy_common::{Counter, IPPROTO_TCP, IPPROTO_UDP, MASQUERADE_MARK, REVERSE_NAT_MARK};
@@ -26,11 +25,12 @@ use crate::{
     family::V4,
     fragment,
     headers::{ETH_ALEN, IPV4_CSUM_OFF},
-    maps::{FIB_SCRATCH, XDP_DEVICES, count},
-    masquerade, nat, parse, xdp,
+    maps::{XDP_DEVICES, count},
+    masquerade, nat,
+    packet::Packet,
+    parse, route, xdp,
 };
 
-const AF_INET: u8 = 2;
 /// IPv4's TTL and protocol: one 16-bit word of the header checksum.
 const IPV4_TTL_OFF: usize = 8;
 const IPV4_TOT_LEN_OFF: usize = 2;
@@ -65,7 +65,7 @@ fn forward(ctx: &XdpContext) -> Result<u32, Stack> {
         return Err(Stack);
     }
     let ingress = ctx.ingress_ifindex() as u32;
-    let (out, macs) = route(ctx, pkt.l3_off, ingress)?;
+    let (out, macs) = route(ctx, &pkt, ingress)?;
     // Only out of an interface XDP runs on: counted there.
     let sent = XDP_DEVICES.get_ptr_mut(&out).ok_or(Stack)?;
     if marks & MASQUERADE_MARK != 0 {
@@ -99,18 +99,9 @@ struct Macs {
 /// are the stack's own). Only a full answer: an unresolved neighbour is the
 /// stack's to resolve.
 #[inline(always)]
-fn route(ctx: &XdpContext, l3_off: usize, ingress: u32) -> Result<(u32, Macs), Stack> {
-    // In map memory: masquerade needs most of this program's stack.
-    let fib = unsafe { &mut *FIB_SCRATCH.get_ptr_mut(0).ok_or(Stack)? };
-    // SAFETY: plain data; zero is a valid value of every field.
-    *fib = unsafe { core::mem::zeroed() };
-    fib.family = AF_INET;
-    fib.ifindex = ingress;
-    fib.__bindgen_anon_3.ipv4_src = read(ctx, l3_off + crate::headers::IPV4_SRC_OFF).ok_or(Stack)?;
-    fib.__bindgen_anon_4.ipv4_dst = read(ctx, l3_off + crate::headers::IPV4_DST_OFF).ok_or(Stack)?;
-    fib.__bindgen_anon_1.tot_len = u16::from_be(read::<u16>(ctx, l3_off + IPV4_TOT_LEN_OFF).ok_or(Stack)?);
-    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
-    let rc = unsafe { fib_lookup(ctx.as_ptr(), fib, size, 0) } as u32;
+fn route(ctx: &XdpContext, pkt: &Packet, ingress: u32) -> Result<(u32, Macs), Stack> {
+    let tot_len = u16::from_be(read::<u16>(ctx, pkt.l3_off + IPV4_TOT_LEN_OFF).ok_or(Stack)?);
+    let (rc, fib) = route::lookup::<V4>(ctx, pkt.l3_off, ingress, pkt.proto, tot_len).map_err(|_| Stack)?;
     if rc != BPF_FIB_LKUP_RET_SUCCESS {
         return Err(Stack);
     }
