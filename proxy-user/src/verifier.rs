@@ -18,8 +18,9 @@ pub fn verify_all(ebpf: &mut Ebpf, names: &[&str]) -> Result<()> {
     if let Some(missing) = names.iter().find(|n| !queue.iter().any(|(name, _)| name == *n)) {
         anyhow::bail!("program {missing} missing from the BPF object");
     }
-    // Longest last in the queue, so first off it: the ones that take the
-    // verifier longest are the ones with most instructions.
+    // Longest last in the queue, so first off it: roughly the ones the
+    // verifier takes longest on (a small program with a long loop, as
+    // tc_masquerade6, can take longer than its size says).
     let size = instruction_counts();
     queue.sort_by_key(|(name, _)| size.get(*name).copied().unwrap_or(0));
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(queue.len());
