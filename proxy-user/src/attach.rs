@@ -185,9 +185,10 @@ pub struct Attacher {
 }
 
 impl Attacher {
-    /// `ebpf` with the TC programs loaded (`maps::load_tc`), as loaded with
-    /// `options` (which load the L3 copy if needed).
-    /// With `xdp`, `ebpf` has xdp_ingress loaded too (`xdp::load`).
+    /// `ebpf` with the TC programs verified and their tail calls installed
+    /// (`maps::tc_programs`, `maps::install_tail_calls`), as loaded with
+    /// `options` (which load the L3 copy if needed). With `xdp`, `ebpf` has
+    /// the XDP programs verified and installed too (`xdp::PROGRAMS`, `xdp::install`).
     pub fn new(
         ebpf: Ebpf,
         options: LoadOptions,

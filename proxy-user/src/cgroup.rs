@@ -25,7 +25,8 @@ use tracing::{info, warn};
 
 use crate::maps::links_dir;
 
-/// Program names in the object; the link pins are `cgroup-<name>`.
+/// Program names in the object; the link pins are `cgroup-<name>`. The
+/// agent puts them through the verifier with the others, before any is attached.
 pub const SOCK_PROGRAMS: [&str; 8] = [
     "sock_connect4",
     "sock_sendmsg4",
@@ -55,12 +56,6 @@ pub fn resolve_root(flag: Option<&Path>) -> Result<PathBuf> {
         "--cgroup-root: {} is not a cgroup v2 directory (mount one, e.g. `mount -t cgroup2 none /sys/fs/cgroup`, or pass --cgroup-root)",
         candidates.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(" or ")
     )
-}
-
-/// Loads the socket hooks (through the verifier), all before any is
-/// attached: a kernel that refuses one gets none.
-pub fn load(ebpf: &mut Ebpf) -> Result<()> {
-    crate::verifier::verify_all(ebpf, &SOCK_PROGRAMS)
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut CgroupSockAddr> {
