@@ -280,28 +280,33 @@ pub enum SnatTuple {
     Held,
 }
 
-/// The state of `snat_key` for the flow whose plain reply entry is
-/// `plain_reply` (it names the frontend) and whose client is
-/// `client:client_port`. Reads the raw entry: `lookup` forgets a closed
+/// The state of `snat_key` for the flow from `client:client_port` to the
+/// frontend `frontend:frontend_port` (as its plain reply entry names it). Reads the raw entry: `lookup` forgets a closed
 /// flow after `CT_CLOSING_TIMEOUT_NS`, long before its TIME_WAIT ends. An
 /// unanswered flow's port is free once its entry lapsed.
 #[inline(always)]
-pub fn snat_tuple(snat_key: &CtKey, plain_reply: &CtEntry, client: &Addr, client_port: u16) -> SnatTuple {
+pub fn snat_tuple(snat_key: &CtKey, frontend: &Addr, frontend_port: u16, client: &Addr, client_port: u16) -> SnatTuple {
     let Some(held) = raw(snat_key) else { return SnatTuple::Free };
-    let same_flow = held.rev_addr == *client
+    // Every answer is its own return, and the times are compared as
+    // `now >= last_seen + timeout` rather than through a saturated idle
+    // time: a boolean or a clamp computed here becomes a register that is
+    // 0 on one path and 1 on another, which the verifier then walks apart
+    // through the rest of every port try (masquerade::source_for).
+    if held.rev_addr == *client
         && held.rev_port == client_port
-        && held.nat_addr == plain_reply.nat_addr
-        && held.nat_port == plain_reply.nat_port;
-    let idle = now().saturating_sub(held.last_seen_ns);
-    if same_flow || (held.flags & CT_PENDING != 0 && idle >= CT_UNCONFIRMED_TIMEOUT_NS) {
-        SnatTuple::Free
-    } else if held.flags & CT_CLOSING == 0 {
-        SnatTuple::Held
-    } else if idle < CT_SNAT_TIME_WAIT_NS {
-        SnatTuple::Reserved
-    } else {
-        SnatTuple::Free
+        && held.nat_addr == *frontend
+        && held.nat_port == frontend_port
+    {
+        return SnatTuple::Free;
     }
+    let now = now();
+    if held.flags & CT_PENDING != 0 && now >= held.last_seen_ns.wrapping_add(CT_UNCONFIRMED_TIMEOUT_NS) {
+        return SnatTuple::Free;
+    }
+    if held.flags & CT_CLOSING == 0 {
+        return SnatTuple::Held;
+    }
+    if now < held.last_seen_ns.wrapping_add(CT_SNAT_TIME_WAIT_NS) { SnatTuple::Reserved } else { SnatTuple::Free }
 }
 
 /// Whether a masqueraded flow other than `client:client_port`'s holds
@@ -310,7 +315,7 @@ pub fn snat_tuple(snat_key: &CtKey, plain_reply: &CtEntry, client: &Addr, client
 #[inline(always)]
 pub fn masquerade_holds(snat_key: &CtKey, own_reply: &CtEntry, client: &Addr, client_port: u16) -> bool {
     let masqueraded = raw(snat_key).is_some_and(|e| e.flags & CT_MASQUERADE != 0);
-    masqueraded && snat_tuple(snat_key, own_reply, client, client_port) != SnatTuple::Free
+    masqueraded && snat_tuple(snat_key, &own_reply.nat_addr, own_reply.nat_port, client, client_port) != SnatTuple::Free
 }
 
 /// Records `snat_key` as the reply tuple of a masqueraded flow: replies go
