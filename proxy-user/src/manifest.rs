@@ -7,7 +7,10 @@ use k8s_openapi::api::{
     core::v1::{Node, Service},
     networking::v1::ServiceCIDR,
 };
-use serde::Deserialize;
+use serde::{
+    Deserialize, Deserializer,
+    de::{self, DeserializeSeed, IgnoredAny, MapAccess, Visitor, value::MapAccessDeserializer},
+};
 
 use crate::endpoint_slice::EndpointSlice;
 
@@ -64,65 +67,93 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<Object>, ManifestError> {
     parse_fast(text).ok_or(()).or_else(|()| parse_reporting(path, text))
 }
 
-/// Every document typed in one pass over the text (serde buffers each
-/// document once to find `apiVersion`, then `kind`). `None` on any error.
+/// Every document typed in one pass over the text, without buffering it
+/// when `apiVersion` and `kind` are its first keys (as kubectl and every
+/// generator write them): the object is read straight from the parser.
+/// Keys before them are buffered, and only those. `None` on any error.
 fn parse_fast(text: &str) -> Option<Vec<Object>> {
     let mut objects = Vec::new();
     for doc in serde_yaml::Deserializer::from_str(text) {
         // A comment-only document is null.
-        let object = match Option::<Document>::deserialize(doc).ok()? {
-            Some(Document::Core(CoreKind::Service(s))) => Object::Service(Arc::new(s)),
-            Some(Document::Core(CoreKind::Node(n))) => Object::Node(n),
-            Some(Document::Discovery(DiscoveryKind::EndpointSlice(s))) => Object::EndpointSlice(Arc::new(s)),
-            Some(Document::Networking(NetworkingKind::ServiceCIDR(c))) => Object::ServiceCIDR(Arc::new(c)),
-            Some(Document::Core(CoreKind::Other) | Document::Discovery(DiscoveryKind::Other))
-            | Some(Document::Networking(NetworkingKind::Other) | Document::Other)
-            | None => continue,
-        };
-        objects.push(object);
+        if let Some(object) = doc.deserialize_any(DocumentVisitor).ok()? {
+            objects.push(object);
+        }
     }
     Some(objects)
 }
 
-/// The kinds `kind_of` reads, as serde tags: a document's group and
-/// version, then its kind. A document without either is an error here, and
-/// `parse_reporting` says which.
-#[derive(Deserialize)]
-#[serde(tag = "apiVersion")]
-enum Document {
-    #[serde(rename = "v1")]
-    Core(CoreKind),
-    #[serde(rename = "discovery.k8s.io/v1")]
-    Discovery(DiscoveryKind),
-    #[serde(rename = "networking.k8s.io/v1")]
-    Networking(NetworkingKind),
-    #[serde(other)]
-    Other,
+/// One document: its type meta first, then the object of that kind.
+struct DocumentVisitor;
+
+impl<'de> Visitor<'de> for DocumentVisitor {
+    type Value = Option<Object>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a Kubernetes object")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let (mut api_version, mut kind) = (None::<String>, None::<String>);
+        let mut before = Vec::new();
+        while api_version.is_none() || kind.is_none() {
+            let Some(key) = map.next_key::<String>()? else { break };
+            match key.as_str() {
+                "apiVersion" => api_version = Some(map.next_value()?),
+                "kind" => kind = Some(map.next_value()?),
+                _ => before.push((key, map.next_value::<serde_yaml::Value>()?)),
+            }
+        }
+        let kind = kind_of(api_version.as_deref(), kind.as_deref()).map_err(de::Error::custom)?;
+        let rest = || MapAccessDeserializer::new(Rest { before: before.into_iter(), value: None, map });
+        Ok(Some(match kind {
+            Kind::Service => Object::Service(Arc::new(Service::deserialize(rest())?)),
+            Kind::EndpointSlice => Object::EndpointSlice(Arc::new(EndpointSlice::deserialize(rest())?)),
+            Kind::Node => Object::Node(Box::new(Node::deserialize(rest())?)),
+            Kind::ServiceCIDR => Object::ServiceCIDR(Arc::new(ServiceCIDR::deserialize(rest())?)),
+            Kind::Other => {
+                IgnoredAny::deserialize(rest())?;
+                return Ok(None);
+            }
+        }))
+    }
 }
 
-#[derive(Deserialize)]
-#[serde(tag = "kind")]
-enum CoreKind {
-    Service(Service),
-    Node(Box<Node>),
-    #[serde(other)]
-    Other,
+/// The rest of a document's map: the entries read before its kind was
+/// known, then those the parser still holds.
+struct Rest<A> {
+    before: std::vec::IntoIter<(String, serde_yaml::Value)>,
+    /// The value of the buffered key just handed out.
+    value: Option<serde_yaml::Value>,
+    map: A,
 }
 
-#[derive(Deserialize)]
-#[serde(tag = "kind")]
-enum DiscoveryKind {
-    EndpointSlice(EndpointSlice),
-    #[serde(other)]
-    Other,
-}
+impl<'de, A: MapAccess<'de>> MapAccess<'de> for Rest<A> {
+    type Error = A::Error;
 
-#[derive(Deserialize)]
-#[serde(tag = "kind")]
-enum NetworkingKind {
-    ServiceCIDR(ServiceCIDR),
-    #[serde(other)]
-    Other,
+    fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>, A::Error> {
+        match self.before.next() {
+            Some((key, value)) => {
+                self.value = Some(value);
+                seed.deserialize(de::value::StringDeserializer::<A::Error>::new(key)).map(Some)
+            }
+            None => self.map.next_key_seed(seed),
+        }
+    }
+
+    fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, A::Error> {
+        match self.value.take() {
+            Some(value) => seed.deserialize(value).map_err(de::Error::custom),
+            None => self.map.next_value_seed(seed),
+        }
+    }
 }
 
 fn kind_of(api_version: Option<&str>, kind: Option<&str>) -> Result<Kind, String> {
@@ -277,6 +308,11 @@ spec: {cidrs: [10.96.0.0/16]}
         }
         let kinds: Vec<_> = parse_fast(LOOKALIKES).unwrap().iter().map(|o| format!("{o:?}")[..8].to_string()).collect();
         assert_eq!(kinds, ["Node(Nod", "ServiceC"]);
+        // Keys before `kind` (buffered on the fast path) read the same too.
+        let late_kind = "metadata: {name: late}\nspec: {clusterIP: 10.96.0.9, ports: [{port: 80}]}\napiVersion: v1\nkind: Service\n";
+        let fast = parse_fast(late_kind).unwrap();
+        assert!(matches!(&fast[..], [Object::Service(s)] if s.metadata.name.as_deref() == Some("late")), "{fast:?}");
+        assert_eq!(format!("{fast:?}"), format!("{:?}", parse_reporting(Path::new("late.yaml"), late_kind).unwrap()));
         // A type error is no object on the fast path; the caller then reports it.
         assert!(parse_fast("apiVersion: v1\nkind: Service\nspec: {ports: [{port: x}]}\n").is_none());
     }

@@ -161,15 +161,26 @@ fn read_all(paths: &[PathBuf], known: &[Option<u64>]) -> Vec<Read> {
     if threads <= 1 {
         return paths.iter().zip(known).map(|(p, k)| read_one(p, *k)).collect();
     }
-    let chunk = paths.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let workers: Vec<_> = paths
-            .chunks(chunk)
-            .zip(known.chunks(chunk))
-            .map(|(ps, ks)| scope.spawn(move || ps.iter().zip(ks).map(|(p, k)| read_one(p, *k)).collect::<Vec<_>>()))
+    // Each thread takes the next file when it is done with one, so files
+    // of unequal size (or a thread that gets less CPU) leave none idle.
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut reads: Vec<(usize, Read)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(path) = paths.get(i) else { break mine };
+                        mine.push((i, read_one(path, known[i])));
+                    }
+                })
+            })
             .collect();
         workers.into_iter().flat_map(|w| w.join().expect("manifest reader panicked")).collect()
-    })
+    });
+    reads.sort_unstable_by_key(|(i, _)| *i);
+    reads.into_iter().map(|(_, read)| read).collect()
 }
 
 fn is_manifest(path: &Path) -> bool {
