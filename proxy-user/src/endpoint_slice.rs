@@ -85,10 +85,16 @@ impl From<Wire> for EndpointSlice {
             trigger_time: annotation.map(CompactString::from),
             ours: kube::is_ours(labels.as_ref()),
             address_type: wire.address_type,
-            endpoints: wire.endpoints,
-            ports: wire.ports,
+            // Cut to their length: serde grows them by doubling (see `service`).
+            endpoints: shrunk(wire.endpoints),
+            ports: wire.ports.map(shrunk),
         }
     }
+}
+
+fn shrunk<T>(mut list: Vec<T>) -> Vec<T> {
+    list.shrink_to_fit();
+    list
 }
 
 fn null_as_default<'de, D: Deserializer<'de>, T: Deserialize<'de> + Default>(d: D) -> Result<T, D::Error> {

@@ -26,6 +26,7 @@ pub mod precedence;
 pub mod rbac;
 pub mod reconciler;
 pub mod root_lock;
+pub mod service;
 pub mod service_cidrs;
 pub mod snat_ports;
 pub mod source;

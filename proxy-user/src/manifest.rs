@@ -82,6 +82,11 @@ fn parse_fast(text: &str) -> Option<Vec<Object>> {
     Some(objects)
 }
 
+fn service(mut svc: Service) -> Object {
+    crate::service::shrink(&mut svc);
+    Object::Service(Arc::new(svc))
+}
+
 /// One document: its type meta first, then the object of that kind.
 struct DocumentVisitor;
 
@@ -114,7 +119,7 @@ impl<'de> Visitor<'de> for DocumentVisitor {
         let kind = kind_of(api_version.as_deref(), kind.as_deref()).map_err(de::Error::custom)?;
         let rest = || MapAccessDeserializer::new(Rest { before: before.into_iter(), value: None, map });
         Ok(Some(match kind {
-            Kind::Service => Object::Service(Arc::new(Service::deserialize(rest())?)),
+            Kind::Service => service(Service::deserialize(rest())?),
             Kind::EndpointSlice => Object::EndpointSlice(Arc::new(EndpointSlice::deserialize(rest())?)),
             Kind::Node => Object::Node(Box::new(Node::deserialize(rest())?)),
             Kind::ServiceCIDR => Object::ServiceCIDR(Arc::new(ServiceCIDR::deserialize(rest())?)),
@@ -193,7 +198,7 @@ fn parse_reporting(path: &Path, text: &str) -> Result<Vec<Object>, ManifestError
             err(line_of(&inner), format!("{field}: {inner}"))
         };
         match kind {
-            Kind::Service => objects.push(Object::Service(Arc::new(serde_path_to_error::deserialize(doc).map_err(typed)?))),
+            Kind::Service => objects.push(service(serde_path_to_error::deserialize(doc).map_err(typed)?)),
             Kind::EndpointSlice => {
                 objects.push(Object::EndpointSlice(Arc::new(serde_path_to_error::deserialize(doc).map_err(typed)?)))
             }

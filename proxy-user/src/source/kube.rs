@@ -93,6 +93,11 @@ fn trim<K: Resource>(obj: &mut K) {
     obj.meta_mut().managed_fields = None;
 }
 
+fn trim_service(svc: &mut Service) {
+    trim(svc);
+    crate::service::shrink(svc);
+}
+
 /// Only the Node's name and labels (the zone, for topology) and whether it is
 /// going away (deletion, the autoscaler's taint, for /healthz) matter; the
 /// rest changes with every status heartbeat and must not cause a sync.
@@ -190,7 +195,7 @@ impl Source for KubeSource {
         let (service_store, service_writer) = reflector::store::<Service>();
         let (slice_store, slice_writer) = reflector::store::<EndpointSlice>();
         let (node_store, node_writer) = reflector::store::<Node>();
-        let mut services = Box::pin(watch::<Service>(self.client.clone(), selector.clone()).modify(trim).reflect(service_writer));
+        let mut services = Box::pin(watch::<Service>(self.client.clone(), selector.clone()).modify(trim_service).reflect(service_writer));
         // A slice keeps only what the model reads as it is decoded (endpoint_slice.rs): nothing to trim.
         let mut slices = Box::pin(watch::<EndpointSlice>(self.client.clone(), selector).reflect(slice_writer));
         let mut nodes = Box::pin(watch::<Node>(self.client.clone(), node_selector).modify(node_identity).reflect(node_writer));
