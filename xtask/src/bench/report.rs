@@ -282,13 +282,15 @@ fn targets(md: &mut String, m: &Measured) {
                      priority than the sync), which are attached after it (on full maps). \
                      The manifests are read and parsed on every CPU, one YAML pass per file \
                      (serde_path_to_error runs only on a file that fails, to name the field and line); each \
-                     document goes straight to its type, by its apiVersion and kind (serde's tagged enums). The first \
+                     document goes from the parser straight to its type once its apiVersion and kind are read. \
+                     The verifier's work was halved (masquerade's port tries carry no per-path state; SCTP's \
+                     CRC update is a global BPF function, checked once per program). The first \
                      sync builds every Service's part of the model and writes ~240 000 map entries (backends, \
                      slots, frontends, ClusterIP markers, names); backends, slots and frontends go in batches \
                      (BPF_MAP_UPDATE_BATCH, 8 192 entries a call), where the kernel's own insert into a \
                      non-preallocated hash map is most of the cost left. On 2 CPUs the verifier, the parse and \
                      the sync are CPU-bound side by side. Closing it: one slot array per service in the datapath \
-                     (10 000 writes instead of 100 000), less verifier work; against the API server the parse \
+                     (10 000 writes instead of 100 000); against the API server the parse \
                      is JSON from a paginated list, typically several times faster than YAML."
                 ),
             });
