@@ -281,9 +281,10 @@ pub enum SnatTuple {
 }
 
 /// The state of `snat_key` for the flow from `client:client_port` to the
-/// frontend `frontend:frontend_port` (as its plain reply entry names it). Reads the raw entry: `lookup` forgets a closed
-/// flow after `CT_CLOSING_TIMEOUT_NS`, long before its TIME_WAIT ends. An
-/// unanswered flow's port is free once its entry lapsed.
+/// frontend `frontend:frontend_port` (as its plain reply entry names it).
+/// Reads the raw entry: `lookup` forgets a closed flow after
+/// `CT_CLOSING_TIMEOUT_NS`, long before its TIME_WAIT ends. An unanswered
+/// flow's port is free once its entry lapsed.
 #[inline(always)]
 pub fn snat_tuple(snat_key: &CtKey, frontend: &Addr, frontend_port: u16, client: &Addr, client_port: u16) -> SnatTuple {
     let Some(held) = raw(snat_key) else { return SnatTuple::Free };
