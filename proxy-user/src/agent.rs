@@ -79,6 +79,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         maglev_table_size = maglev.size,
         "dataplane loaded (pinned maps adopted)"
     );
+    let nothing_held = held == maps::Contents::default();
     let mut reconciler = Reconciler::adopt(held).within(maps.service_capacity).with_maglev(maglev);
 
     let health = Health::default();
@@ -107,14 +108,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     // Every program through the verifier before any is attached: a kernel
     // that refuses one leaves the node's attachments as they were, never
-    // half-attached. The verifier is most of the start, so the first sync
-    // fills the maps meanwhile, if the first snapshot and the node's
-    // addresses come in time (new programs then start on full maps).
+    // half-attached. The first sync fills the maps meanwhile, if the first
+    // snapshot and the node's addresses come in time.
     let cgroup_root = cgroup::resolve_root_or_warn(args.cgroup_root.as_deref())?;
     let hooks = cgroup_root.is_some();
     let xdp = crate::xdp::XdpSettings::from_flags(&args.xdp_devices, args.xdp_mode, args.devices.as_deref())?;
     let load_xdp = xdp.is_some();
-    let (verified_tx, mut verifying) = oneshot::channel();
+    let (verified_tx, verifying) = oneshot::channel();
     std::thread::Builder::new().name("verifier".into()).spawn(move || {
         // The verifier's CPU comes after the reading and the first sync's
         // (on a node with few cores they would otherwise share it, and the
@@ -143,36 +143,57 @@ pub async fn run(args: RunArgs) -> Result<()> {
         })();
         let _ = verified_tx.send(verified);
     })?;
-    let mut first = None;
-    let mut ebpf = tokio::select! {
-        verified = &mut verifying => verified.context("the verifier thread stopped")??,
-        inputs = first_inputs(&mut rx, &mut addrs_rx) => {
-            if let Some((snap, addrs)) = inputs {
-                syncer.set_node_addresses(&addrs, &args.cluster_cidr, &mut maps);
-                syncer.snapshot_arrived(Some(&snap));
-                let outcome = syncer.sync_and_serve(&snap, &mut reconciler, &mut maps, &mut health_checks).await;
-                first = Some((snap, outcome));
-            }
-            verifying.await.context("the verifier thread stopped")??
-        }
+    let attachment = Attachment {
+        cgroup_root,
+        bpffs_root: args.bpffs_root.clone(),
+        sysctl_root: args.sysctl_root.clone(),
+        options,
+        devices: args.devices.clone(),
+        xdp,
+        tc_attach: args.tc_attach,
+        features,
     };
-    let mode = attach::choose_mode(&mut ebpf, args.tc_attach)?;
-    info!(
-        tc_attach = mode.name(),
-        coarse_clock = features.coarse_clock,
-        sock_set_retval = features.sock_set_retval,
-        "kernel probed, programs loaded"
-    );
-    if let Some(root) = &cgroup_root {
-        cgroup::attach(&mut ebpf, &args.bpffs_root, root)?;
-    }
-    crate::sysctl::accept_local_on_loopback_or_warn(&args.sysctl_root);
-    let attacher = Attacher::new(ebpf, options, mode, args.devices.clone(), xdp)?;
-    let (ready_tx, ready_rx) = oneshot::channel();
-    let mut attach_task = tokio::spawn(attacher.run(ready_tx));
-    if ready_rx.await.is_err() {
-        return Err(attach_task.await?.expect_err("attacher stopped before it was ready"));
-    }
+    let verified = async move { verifying.await.context("the verifier thread stopped")? };
+    let cluster_cidr = &args.cluster_cidr;
+    let first_sync = async |inputs: Option<(Arc<Snapshot>, NodeAddrs)>,
+                            syncer: &mut Syncer,
+                            reconciler: &mut Reconciler,
+                            maps: &mut Maps,
+                            health_checks: &mut HealthCheckServers| {
+        let (snap, addrs) = inputs?;
+        syncer.set_node_addresses(&addrs, cluster_cidr, maps);
+        syncer.snapshot_arrived(Some(&snap));
+        let outcome = syncer.sync_and_serve(&snap, reconciler, maps, health_checks).await;
+        Some((snap, outcome))
+    };
+    let mut first = None;
+    let (mode, mut attach_task) = if nothing_held {
+        // Nothing held: the programs would meet only what this first sync
+        // writes, in the order every later sync writes it (backends and
+        // slots before the frontends that name them). So they attach as
+        // soon as they are verified, beside the sync (this task blocks in
+        // it; the attach runs on a worker thread), not after it.
+        let mut attaching = tokio::spawn(async move { attachment.attach(verified.await?).await });
+        tokio::select! {
+            attached = &mut attaching => attached??,
+            inputs = first_inputs(&mut rx, &mut addrs_rx) => {
+                first = first_sync(inputs, &mut syncer, &mut reconciler, &mut maps, &mut health_checks).await;
+                attaching.await??
+            }
+        }
+    } else {
+        // An adopted dataplane: the programs now attached keep serving
+        // until the maps hold this agent's first sync.
+        let mut verified = std::pin::pin!(verified);
+        let ebpf = tokio::select! {
+            ebpf = &mut verified => ebpf?,
+            inputs = first_inputs(&mut rx, &mut addrs_rx) => {
+                first = first_sync(inputs, &mut syncer, &mut reconciler, &mut maps, &mut health_checks).await;
+                verified.await?
+            }
+        };
+        attachment.attach(ebpf).await?
+    };
 
     syncer.health.set_tc_attach(mode.name());
     health::serve(args.healthz_bind_address, syncer.health.clone()).await?;
@@ -241,6 +262,44 @@ pub async fn run(args: RunArgs) -> Result<()> {
     }
     info!("stopping: programs and pinned maps stay in place, traffic keeps flowing (`ebpf-proxy cleanup` removes them)");
     Ok(())
+}
+
+/// What attaching the verified programs takes.
+struct Attachment {
+    cgroup_root: Option<std::path::PathBuf>,
+    bpffs_root: std::path::PathBuf,
+    sysctl_root: std::path::PathBuf,
+    options: maps::LoadOptions,
+    devices: Option<Vec<String>>,
+    xdp: Option<crate::xdp::XdpSettings>,
+    tc_attach: crate::cli::TcAttachMode,
+    features: kernel::Features,
+}
+
+impl Attachment {
+    /// The socket hooks, then the TC (and XDP) programs on every interface;
+    /// returns once all are attached, with the task that follows
+    /// interfaces coming and going.
+    async fn attach(self, mut ebpf: aya::Ebpf) -> Result<(attach::AttachMode, tokio::task::JoinHandle<Result<()>>)> {
+        let mode = attach::choose_mode(&mut ebpf, self.tc_attach)?;
+        info!(
+            tc_attach = mode.name(),
+            coarse_clock = self.features.coarse_clock,
+            sock_set_retval = self.features.sock_set_retval,
+            "kernel probed, programs loaded"
+        );
+        if let Some(root) = &self.cgroup_root {
+            cgroup::attach(&mut ebpf, &self.bpffs_root, root)?;
+        }
+        crate::sysctl::accept_local_on_loopback_or_warn(&self.sysctl_root);
+        let attacher = Attacher::new(ebpf, self.options, mode, self.devices, self.xdp)?;
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let task = tokio::spawn(attacher.run(ready_tx));
+        if ready_rx.await.is_err() {
+            return Err(task.await?.expect_err("attacher stopped before it was ready"));
+        }
+        Ok((mode, task))
+    }
 }
 
 /// The first snapshot and the node's first list of addresses, once both

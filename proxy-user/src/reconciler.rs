@@ -126,7 +126,7 @@ impl Reconciler {
             sets: desired.backend_sets.keys().collect(),
             frontends: desired.frontends.keys().copied().collect(),
             cluster_ips: desired.cluster_ips.iter().copied().collect(),
-            backends: desired.backends.keys().copied().collect(),
+            backends: desired.backends.iter().map(|(t, flags)| (*t, Some(*flags))).collect(),
         };
         let applied = self.apply(desired, &everything, maps).and_then(|(mut stats, set_ids)| {
             stats.deletes += self.remove_unwanted(desired, &set_ids, maps)?;
@@ -144,7 +144,7 @@ impl Reconciler {
             sets: touched.sets.iter().collect(),
             frontends: touched.frontends.iter().copied().collect(),
             cluster_ips: touched.cluster_ips.iter().copied().collect(),
-            backends: touched.backends.iter().copied().collect(),
+            backends: touched.backends.iter().map(|t| (*t, desired.backends.get(t).copied())).collect(),
         };
         let applied = self.apply(desired, &keys, maps).map(|(stats, _)| stats);
         self.finish(applied, leftover, maps)
@@ -203,8 +203,8 @@ impl Reconciler {
         // 1. Backends, and names of new services.
         let mut tuples = Vec::new();
         let mut writes = Vec::new();
-        for t @ &(addr, port, proto) in &touched.backends {
-            let Some(&flags) = desired.backends.get(t) else { continue };
+        for (t, wanted) in &touched.backends {
+            let (Some(flags), &(addr, port, proto)) = (*wanted, t) else { continue };
             let id = match self.backend_ids.get(t) {
                 Some(id) => *id,
                 None => self.free_backend_ids.take(),
@@ -216,6 +216,8 @@ impl Reconciler {
             }
         }
         let (written, result) = maps.put_backends(&writes);
+        self.held.backends.reserve(written);
+        self.backend_ids.reserve(written);
         for (&t, &(id, want)) in tuples.iter().zip(&writes).take(written) {
             self.held.backends.insert(id, want);
             self.backend_ids.insert(*t, id);
@@ -231,23 +233,33 @@ impl Reconciler {
             return Err(e).with_context(|| format!("backend {addr}:{port}"));
         }
         let mut set_ids: HashMap<&BackendSetKey, u32> = HashMap::new();
+        let mut named = Vec::new();
+        let mut writes = Vec::new();
         for &set in touched.sets.iter().filter(|s| desired.backend_sets.contains_key(**s)) {
             let name = set.service.to_string();
-            let id = match self.service_ids.get(&(name.clone(), set.policy)) {
-                Some(id) => *id,
+            match self.service_ids.get(&(name.clone(), set.policy)) {
+                Some(&id) => {
+                    set_ids.insert(set, id);
+                }
                 None => {
                     let id = self.free_service_ids.take();
-                    if let Err(e) = maps.put_name(id, &ServiceName::new(&name, set.policy)) {
-                        self.free_service_ids.give_back(id);
-                        return Err(e).with_context(|| format!("service {name}"));
-                    }
-                    self.held.names.insert(id, (name.clone(), set.policy));
-                    self.service_ids.insert((name, set.policy), id);
-                    stats.writes += 1;
-                    id
+                    writes.push((id, ServiceName::new(&name, set.policy)));
+                    named.push((set, name));
                 }
-            };
+            }
+        }
+        let (written, result) = maps.put_names(&writes);
+        for ((set, name), &(id, _)) in named.iter().zip(&writes).take(written) {
+            self.held.names.insert(id, (name.clone(), set.policy));
+            self.service_ids.insert((name.clone(), set.policy), id);
             set_ids.insert(set, id);
+            stats.writes += 1;
+        }
+        if let Err(e) = result {
+            for &(id, _) in &writes[written..] {
+                self.free_service_ids.give_back(id);
+            }
+            return Err(e).with_context(|| format!("service {}", named[written].1));
         }
 
         // 2. Slots, then the frontends that expose them.
@@ -264,6 +276,7 @@ impl Reconciler {
             }
         }
         let (written, result) = maps.put_slots(&writes);
+        self.held.slots.reserve(written);
         for &(key, backend_id) in writes.iter().take(written) {
             // The slot's previous backend may have left the set.
             self.affinity_purge_due |= self.held.slots.insert(key, backend_id).is_some();
@@ -381,8 +394,8 @@ impl Reconciler {
             self.held.service_cidrs.remove(&net);
             stats.deletes += 1;
         }
-        for t in &touched.backends {
-            if desired.backends.contains_key(t) {
+        for (t, wanted) in &touched.backends {
+            if wanted.is_some() {
                 continue;
             }
             let Some(&id) = self.backend_ids.get(t) else { continue };
@@ -443,8 +456,12 @@ impl Reconciler {
             self.affinity_purge_due = true;
             deletes += 1;
         }
-        let stale: Vec<(BackendTuple, u32)> =
-            self.backend_ids.iter().filter(|(t, _)| !desired.backends.contains_key(*t)).map(|(t, id)| (*t, *id)).collect();
+        // `apply` gave every wanted backend an ID: as many IDs, none stale.
+        let stale: Vec<(BackendTuple, u32)> = if self.backend_ids.len() == desired.backends.len() {
+            Vec::new()
+        } else {
+            self.backend_ids.iter().filter(|(t, _)| !desired.backends.contains_key(*t)).map(|(t, id)| (*t, *id)).collect()
+        };
         for (t, id) in stale {
             maps.del_backend(id)?;
             self.held.backends.remove(&id);
@@ -544,7 +561,8 @@ struct Keys<'k> {
     sets: Vec<&'k BackendSetKey>,
     frontends: Vec<FrontendKey>,
     cluster_ips: Vec<IpAddr>,
-    backends: Vec<BackendTuple>,
+    /// With each backend's flags, if `desired` still has it.
+    backends: Vec<(BackendTuple, Option<u8>)>,
 }
 
 /// Hands out the lowest IDs (from 1) not in use. A freed ID stays out of
@@ -707,38 +725,75 @@ mod tests {
         assert!(maps.service_cidrs.is_empty());
     }
 
+    /// Contents whose next slot write fails (`slot`), or whose name write
+    /// fails after `names_ok` more succeed.
+    #[derive(Default)]
+    struct FailOnce {
+        maps: Contents,
+        slot: bool,
+        names_ok: Option<usize>,
+    }
+
+    impl MapWriter for FailOnce {
+        fn put_backend(&mut self, id: u32, b: &Backend) -> Result<()> { self.maps.put_backend(id, b) }
+        fn del_backend(&mut self, id: u32) -> Result<()> { self.maps.del_backend(id) }
+        fn put_slot(&mut self, k: &SlotKey, v: u32) -> Result<()> {
+            if std::mem::take(&mut self.slot) { anyhow::bail!("map full") }
+            self.maps.put_slot(k, v)
+        }
+        fn del_slot(&mut self, k: &SlotKey) -> Result<()> { self.maps.del_slot(k) }
+        fn put_frontend(&mut self, k: &FrontendKey, e: &ServiceEntry) -> Result<()> { self.maps.put_frontend(k, e) }
+        fn del_frontend(&mut self, k: &FrontendKey) -> Result<()> { self.maps.del_frontend(k) }
+        fn put_name(&mut self, id: u32, n: &ServiceName) -> Result<()> {
+            match self.names_ok {
+                Some(0) => {
+                    self.names_ok = None;
+                    anyhow::bail!("map full")
+                }
+                Some(ref mut ok) => *ok -= 1,
+                None => {}
+            }
+            self.maps.put_name(id, n)
+        }
+        fn del_name(&mut self, id: u32) -> Result<()> { self.maps.del_name(id) }
+        fn put_maglev(&mut self, id: u32, t: &MaglevTable) -> Result<()> { self.maps.put_maglev(id, t) }
+        fn del_maglev(&mut self, id: u32) -> Result<()> { self.maps.del_maglev(id) }
+        fn put_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> { self.maps.put_source_range(id, n) }
+        fn del_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> { self.maps.del_source_range(id, n) }
+        fn put_service_cidr(&mut self, n: &IpNet) -> Result<()> { self.maps.put_service_cidr(n) }
+        fn del_service_cidr(&mut self, n: &IpNet) -> Result<()> { self.maps.del_service_cidr(n) }
+        fn purge_affinity(&mut self, settle: bool, stale: &mut dyn FnMut(&AffinityKey, &AffinityEntry) -> bool) -> Result<usize> {
+            self.maps.purge_affinity(settle, stale)
+        }
+    }
+
     #[test]
     fn a_failed_write_is_retried_by_the_next_sync() {
-        struct FailOnce(Contents, bool);
-        impl MapWriter for FailOnce {
-            fn put_backend(&mut self, id: u32, b: &Backend) -> Result<()> { self.0.put_backend(id, b) }
-            fn del_backend(&mut self, id: u32) -> Result<()> { self.0.del_backend(id) }
-            fn put_slot(&mut self, k: &SlotKey, v: u32) -> Result<()> {
-                if std::mem::take(&mut self.1) { anyhow::bail!("map full") }
-                self.0.put_slot(k, v)
-            }
-            fn del_slot(&mut self, k: &SlotKey) -> Result<()> { self.0.del_slot(k) }
-            fn put_frontend(&mut self, k: &FrontendKey, e: &ServiceEntry) -> Result<()> { self.0.put_frontend(k, e) }
-            fn del_frontend(&mut self, k: &FrontendKey) -> Result<()> { self.0.del_frontend(k) }
-            fn put_name(&mut self, id: u32, n: &ServiceName) -> Result<()> { self.0.put_name(id, n) }
-            fn del_name(&mut self, id: u32) -> Result<()> { self.0.del_name(id) }
-            fn put_maglev(&mut self, id: u32, t: &MaglevTable) -> Result<()> { self.0.put_maglev(id, t) }
-            fn del_maglev(&mut self, id: u32) -> Result<()> { self.0.del_maglev(id) }
-            fn put_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> { self.0.put_source_range(id, n) }
-            fn del_source_range(&mut self, id: u32, n: &IpNet) -> Result<()> { self.0.del_source_range(id, n) }
-            fn put_service_cidr(&mut self, n: &IpNet) -> Result<()> { self.0.put_service_cidr(n) }
-            fn del_service_cidr(&mut self, n: &IpNet) -> Result<()> { self.0.del_service_cidr(n) }
-            fn purge_affinity(&mut self, settle: bool, stale: &mut dyn FnMut(&AffinityKey, &AffinityEntry) -> bool) -> Result<usize> {
-                self.0.purge_affinity(settle, stale)
-            }
-        }
         let d = desired(&[("a", "10.96.0.1", &["10.0.0.1"])]);
-        let mut maps = FailOnce(Contents::default(), true);
+        let mut maps = FailOnce { slot: true, ..Default::default() };
         let mut r = Reconciler::adopt(Contents::default());
         assert!(r.sync(&d, &mut maps).is_err());
-        assert!(maps.0.frontends.is_empty(), "no frontend may point at unwritten slots");
+        assert!(maps.maps.frontends.is_empty(), "no frontend may point at unwritten slots");
         r.sync(&d, &mut maps).unwrap();
-        assert_eq!(resolve(&maps.0, "10.96.0.1"), ["10.0.0.1"]);
+        assert_eq!(resolve(&maps.maps, "10.96.0.1"), ["10.0.0.1"]);
+    }
+
+    #[test]
+    fn a_failed_name_write_hands_back_the_ids_it_did_not_write() {
+        let d = desired(&[("a", "10.96.0.1", &["10.0.0.1"]), ("b", "10.96.0.2", &["10.0.0.2"]), ("c", "10.96.0.3", &["10.0.0.3"])]);
+        let mut maps = FailOnce { names_ok: Some(1), ..Default::default() };
+        let mut r = Reconciler::adopt(Contents::default());
+        let e = r.sync(&d, &mut maps).unwrap_err();
+        assert!(format!("{e:#}").contains("map full"), "{e:#}");
+        assert_eq!(maps.maps.names.len(), 1, "the write before the failure stands");
+        assert!(maps.maps.slots.is_empty() && maps.maps.frontends.is_empty(), "nothing named by an unwritten name");
+        r.sync(&d, &mut maps).unwrap();
+        let mut ids: Vec<u32> = maps.maps.names.keys().copied().collect();
+        ids.sort();
+        assert_eq!(ids, [1, 2, 3], "the IDs of the failed writes were given back, not leaked");
+        for (vip, backend) in [("10.96.0.1", "10.0.0.1"), ("10.96.0.2", "10.0.0.2"), ("10.96.0.3", "10.0.0.3")] {
+            assert_eq!(resolve(&maps.maps, vip), [backend]);
+        }
     }
 
     /// The same services with sessionAffinity ClientIP on every frontend.

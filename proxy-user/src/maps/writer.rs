@@ -72,6 +72,9 @@ pub trait MapWriter {
     fn put_frontends(&mut self, entries: &[(FrontendKey, ServiceEntry)]) -> (usize, Result<()>) {
         each(entries, |(key, entry)| self.put_frontend(key, entry))
     }
+    fn put_names(&mut self, entries: &[(u32, ServiceName)]) -> (usize, Result<()>) {
+        each(entries, |(id, name)| self.put_name(*id, name))
+    }
 }
 
 /// `write` on each entry until one fails: how many succeeded, and the error.
@@ -160,6 +163,10 @@ impl MapWriter for Maps {
     fn put_frontends(&mut self, entries: &[(FrontendKey, ServiceEntry)]) -> (usize, Result<()>) {
         let (done, result) = batch::insert_all(&mut self.frontends, entries);
         (done, in_service_map(ServiceMap::Frontends, self.service_capacity, result))
+    }
+    fn put_names(&mut self, entries: &[(u32, ServiceName)]) -> (usize, Result<()>) {
+        let (done, result) = batch::insert_all(&mut self.names, entries);
+        (done, in_service_map(ServiceMap::Names, self.service_capacity, result))
     }
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<()> {
         in_service_map(ServiceMap::Backends, self.service_capacity, self.backends.insert(&id, backend, 0))

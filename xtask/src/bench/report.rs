@@ -279,14 +279,15 @@ fn targets(md: &mut String, m: &Measured) {
                 why: format!(
                     "{phases}The agent starts its source before it loads the BPF object, and runs the first \
                      sync while the verifier checks the programs (one thread per CPU, longest first, at a lower \
-                     priority than the sync), which are attached after it (on full maps). \
+                     priority than the sync); on a node whose maps hold nothing yet, the programs are attached \
+                     as soon as they are verified, beside the sync (an agent that adopts maps attaches after it). \
                      The manifests are read and parsed on every CPU, one YAML pass per file \
                      (serde_path_to_error runs only on a file that fails, to name the field and line); each \
                      document goes from the parser straight to its type once its apiVersion and kind are read. \
                      The verifier's work was halved (masquerade's port tries carry no per-path state; SCTP's \
                      CRC update is a global BPF function, checked once per program). The first \
                      sync builds every Service's part of the model and writes ~240 000 map entries (backends, \
-                     slots, frontends, ClusterIP markers, names); backends, slots and frontends go in batches \
+                     slots, frontends, ClusterIP markers, names), each map's in batches \
                      (BPF_MAP_UPDATE_BATCH, 8 192 entries a call), where the kernel's own insert into a \
                      non-preallocated hash map is most of the cost left. On 2 CPUs the verifier, the parse and \
                      the sync are CPU-bound side by side. Closing it: one slot array per service in the datapath \
