@@ -62,8 +62,7 @@ pub fn rewrite_port(ctx: &impl PacketContext, pkt: &Packet, port_field: usize, o
 
 /// `update_port` as a global BPF function (exported, BTF linkage global):
 /// the verifier checks it once per program, on its own, instead of walking
-/// its 96 rounds again on every path that rewrites an SCTP port (a third of
-/// tc_ingress's verification, and more of the egress programs'). Global
+/// its 32 rounds again on every path that rewrites an SCTP port. Global
 /// functions take and return only scalars, so the ports travel as u32.
 #[unsafe(no_mangle)]
 #[inline(never)]
