@@ -27,18 +27,22 @@ const fn times_x(v: u32) -> u32 {
     (v >> 1) ^ (POLY & (v & 1).wrapping_neg())
 }
 
+/// Advances the raw CRC register over one zero byte: times x^8.
+const fn times_x8(mut v: u32) -> u32 {
+    let mut k = 0;
+    while k < 8 {
+        v = times_x(v);
+        k += 1;
+    }
+    v
+}
+
 /// Byte table for the reference CRC, built at compile time.
 const TABLE: [u32; 256] = {
     let mut t = [0u32; 256];
     let mut i = 0;
     while i < 256 {
-        let mut v = i as u32;
-        let mut k = 0;
-        while k < 8 {
-            v = times_x(v);
-            k += 1;
-        }
-        t[i] = v;
+        t[i] = times_x8(i as u32);
         i += 1;
     }
     t
@@ -107,20 +111,14 @@ const X8N_LEN: usize = (1 << 16) + 4;
 
 /// `X8N[n] = x^(8n) mod P` for every byte count a port update can ask for
 /// (256 KiB, in the programs' .rodata): the update is one table load and one
-/// multiplication. Built one byte (8 clocks of `times_x`) at a time.
+/// multiplication. Built one byte at a time.
 #[allow(long_running_const_eval)]
 static X8N: [u32; X8N_LEN] = {
     let mut t = [0u32; X8N_LEN];
     t[0] = 1 << 31; // x^0
     let mut n = 1;
     while n < X8N_LEN {
-        let mut v = t[n - 1];
-        let mut k = 0;
-        while k < 8 {
-            v = times_x(v);
-            k += 1;
-        }
-        t[n] = v;
+        t[n] = times_x8(t[n - 1]);
         n += 1;
     }
     t
