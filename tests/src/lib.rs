@@ -34,9 +34,27 @@ pub mod sctp_bench;
 pub mod topology;
 pub mod tun_link;
 
-/// A short random suffix: interface names are limited to 15 bytes.
+/// A short random suffix: interface names are limited to 15 bytes. Never
+/// one this process handed out before (tests run side by side in it), nor
+/// one a network namespace of another run carries now (`ep<suffix>-...`):
+/// 20 random bits alone let two of a conformance run's ~900 worlds meet.
 pub fn unique_suffix() -> String {
-    format!("{:05x}", rand::random::<u32>() & 0xfffff)
+    static ISSUED: std::sync::Mutex<std::collections::BTreeSet<u32>> = std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let mut issued = ISSUED.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let n = rand::random::<u32>() & 0xfffff;
+        let suffix = format!("{n:05x}");
+        if issued.insert(n) && !netns_named_with(&suffix) {
+            return suffix;
+        }
+    }
+}
+
+/// Whether a network namespace's name holds `suffix` (in /run/netns).
+fn netns_named_with(suffix: &str) -> bool {
+    std::fs::read_dir("/run/netns")
+        .map(|dir| dir.flatten().any(|e| e.file_name().to_string_lossy().contains(suffix)))
+        .unwrap_or(false)
 }
 
 /// Runs a command and fails with its stderr if it fails.
@@ -66,4 +84,19 @@ pub fn patience(deadline: std::time::Duration) -> std::time::Duration {
 /// Whether this process may create namespaces and load BPF programs.
 pub fn is_root() -> bool {
     nix::unistd::geteuid().is_root()
+}
+
+#[cfg(test)]
+mod tests {
+    /// 5,000 draws of 20 random bits repeat one with near certainty
+    /// (birthday bound); handed-out suffixes must not.
+    #[test]
+    fn suffixes_never_repeat_within_a_run() {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..5000 {
+            let s = super::unique_suffix();
+            assert_eq!(s.len(), 5, "{s}");
+            assert!(seen.insert(s.clone()), "{s} handed out twice");
+        }
+    }
 }
