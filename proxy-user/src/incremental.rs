@@ -18,6 +18,7 @@ use k8s_openapi::{
     jiff::Timestamp,
 };
 use proxy_common::{BACKEND_FLAG_BITS, FrontendKey};
+use rayon::prelude::*;
 
 use crate::{
     endpoint_slice::EndpointSlice,
@@ -31,6 +32,10 @@ use crate::{
     source::Snapshot,
     topology,
 };
+
+/// Services built per task of the CPUs' pool: fewer are built on the
+/// caller's thread (an update usually rebuilds one or a few).
+const PARTS_PER_TASK: usize = 64;
 
 /// The map keys an update may have changed.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -287,8 +292,8 @@ impl Model {
                 slices.entry(key).or_default().push(slice);
             }
         }
-        // The rebuilt Services, by key (so in namespace/name order).
-        let mut candidates: BTreeMap<String, Part> = BTreeMap::new();
+        // The rebuilt Services: each one's objects now, its part below.
+        let mut rebuilt = Vec::new();
         for key in keys {
             let svcs = services.remove(&key).unwrap_or_default();
             let its_slices = slices.remove(&key).unwrap_or_default();
@@ -306,17 +311,31 @@ impl Model {
                 self.retract(&joined, &old, &mut touched);
             }
             self.refused.remove(&joined);
-            if let Some(svc) = svcs.last() {
-                let (state, part_errors) =
-                    model::build_part(service_key, svc, &its_slices, config, zone, &self.desired.service_cidrs);
-                candidates.insert(joined, Part { share: state.into(), errors: part_errors, created: precedence::created(svc) });
-            }
             if errors.is_empty() {
                 self.key_errors.remove(&key);
             } else {
                 self.key_errors.insert(key, errors);
             }
+            if let Some(svc) = svcs.last() {
+                rebuilt.push((joined, *svc, its_slices));
+            }
         }
+        // Each Service's part depends on its own objects only: built on
+        // every CPU (the first sync builds all of them).
+        let cidrs = &self.desired.service_cidrs;
+        let build = |(joined, svc, slices): &(String, &Arc<Service>, Vec<&Arc<EndpointSlice>>)| {
+            let service_key = joined.split_once('\0').unwrap_or(("", ""));
+            let (state, errors) = model::build_part(service_key, svc, slices, config, zone, cidrs);
+            Part { share: state.into(), errors, created: precedence::created(svc) }
+        };
+        let parts: Vec<Part> = if rebuilt.len() < PARTS_PER_TASK {
+            rebuilt.iter().map(build).collect()
+        } else {
+            rebuilt.par_iter().with_min_len(PARTS_PER_TASK).map(build).collect()
+        };
+        // By key, so in namespace/name order.
+        let mut candidates: BTreeMap<String, Part> =
+            rebuilt.into_iter().map(|(joined, _, _)| joined).zip(parts).collect();
         // Those refused before, unchanged: there may be room now.
         for (joined, refused) in std::mem::take(&mut self.refused) {
             candidates.insert(joined, refused.part);
@@ -326,7 +345,7 @@ impl Model {
         for (joined, part) in candidates {
             match if everyone_fits { Ok(()) } else { budget.admit(&part.share) } {
                 Ok(()) => {
-                    self.assert(&joined, &part, &mut touched);
+                    self.assert(&joined, &part, (!everything).then_some(&mut touched));
                     self.parts.insert(joined, part);
                 }
                 Err(full) => {
@@ -339,36 +358,49 @@ impl Model {
 
     /// Adds a Service's share (`own` is its key; it is not in `parts` yet).
     /// A frontend another Service holds goes to the one `precedence` puts
-    /// first, as in `model::build`.
-    fn assert(&mut self, own: &str, part: &Part, touched: &mut Touched) {
+    /// first, as in `model::build`. `touched`: none when everything is
+    /// rebuilt (the reconciler then looks at every key anyway).
+    fn assert(&mut self, own: &str, part: &Part, mut touched: Option<&mut Touched>) {
         let d = &mut self.desired;
         for (set, backends) in &part.share.backend_sets {
             d.backend_sets.insert(set.clone(), backends.clone());
-            touched.sets.insert(set.clone());
+            if let Some(keys) = touched.as_deref_mut() {
+                keys.sets.insert(set.clone());
+            }
             for b in backends {
                 let t = (b.addr, b.port, b.proto);
                 let counts = self.backend_claims.entry(t).or_default();
                 counts.add(b.flags);
                 d.backends.insert(t, counts.union());
-                touched.backends.insert(t);
+                if let Some(keys) = touched.as_deref_mut() {
+                    keys.backends.insert(t);
+                }
             }
         }
         for (set, nets) in &part.share.source_ranges {
             d.source_ranges.insert(set.clone(), nets.clone());
-            touched.sets.insert(set.clone());
+            if let Some(keys) = touched.as_deref_mut() {
+                keys.sets.insert(set.clone());
+            }
         }
         for set in &part.share.maglev {
             d.maglev.insert(set.clone());
-            touched.sets.insert(set.clone());
+            if let Some(keys) = touched.as_deref_mut() {
+                keys.sets.insert(set.clone());
+            }
         }
         for ip in &part.share.cluster_ips {
             *self.cluster_ip_claims.entry(*ip).or_default() += 1;
             d.cluster_ips.insert(*ip);
-            touched.cluster_ips.insert(*ip);
+            if let Some(keys) = touched.as_deref_mut() {
+                keys.cluster_ips.insert(*ip);
+            }
         }
         for (fk, fe) in &part.share.frontends {
             *self.frontend_claims.entry(*fk).or_default() += 1;
-            touched.frontends.insert(*fk);
+            if let Some(keys) = touched.as_deref_mut() {
+                keys.frontends.insert(*fk);
+            }
             let Some(held) = d.frontends.get(fk) else {
                 d.frontends.insert(*fk, fe.clone());
                 continue;

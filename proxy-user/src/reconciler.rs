@@ -1,6 +1,7 @@
 //! Applies a desired state to the maps with the fewest writes, in an order
 //! that never lets a packet see a half-written service: backends before the
-//! slots that name them, slots before the count that exposes them, and
+//! slots that name them (or beside them, while no frontend exposes any
+//! slot), slots before the count that exposes them, and
 //! removals last; a Maglev table before the frontends that use it, and
 //! away only after they stopped. IDs come from what the maps already hold, so a restarted
 //! agent keeps every service and backend ID and no flow is disturbed. The
@@ -27,7 +28,7 @@ use proxy_common::{
 use crate::{
     incremental::Touched,
     maglev::MaglevParams,
-    maps::{Contents, MapWriter},
+    maps::{Contents, MapWriter, in_order},
     model::{BackendSetKey, BackendTuple, DesiredState},
 };
 
@@ -200,94 +201,101 @@ impl Reconciler {
     ) -> Result<(SyncStats, HashMap<&'k BackendSetKey, u32>)> {
         let mut stats = SyncStats::default();
 
-        // 1. Backends, and names of new services.
+        // 1. Backends, names of new services and their slots: IDs first
+        // (a new one is taken now and given back if its write fails), then
+        // the writes, all three at once while no frontend can reach them.
         let mut tuples = Vec::new();
-        let mut writes = Vec::new();
+        let mut backend_writes = Vec::new();
         for (t, wanted) in &touched.backends {
             let (Some(flags), &(addr, port, proto)) = (*wanted, t) else { continue };
             let id = match self.backend_ids.get(t) {
                 Some(id) => *id,
-                None => self.free_backend_ids.take(),
+                None => {
+                    let id = self.free_backend_ids.take();
+                    self.backend_ids.insert(*t, id);
+                    id
+                }
             };
             let want = Backend { addr: Addr::from(addr), port: port.to_be(), proto, flags };
             if self.held.backends.get(&id) != Some(&want) {
                 tuples.push(t);
-                writes.push((id, want));
+                backend_writes.push((id, want));
             }
-        }
-        let (written, result) = maps.put_backends(&writes);
-        self.held.backends.reserve(written);
-        self.backend_ids.reserve(written);
-        for (&t, &(id, want)) in tuples.iter().zip(&writes).take(written) {
-            self.held.backends.insert(id, want);
-            self.backend_ids.insert(*t, id);
-            stats.writes += 1;
-        }
-        if let Err(e) = result {
-            for (t, &(id, _)) in tuples.iter().zip(&writes).skip(written) {
-                if !self.backend_ids.contains_key(*t) {
-                    self.free_backend_ids.give_back(id);
-                }
-            }
-            let (addr, port, _) = tuples[written];
-            return Err(e).with_context(|| format!("backend {addr}:{port}"));
         }
         let mut set_ids: HashMap<&BackendSetKey, u32> = HashMap::new();
         let mut named = Vec::new();
-        let mut writes = Vec::new();
+        let mut name_writes = Vec::new();
         for &set in touched.sets.iter().filter(|s| desired.backend_sets.contains_key(**s)) {
             let name = set.service.to_string();
-            match self.service_ids.get(&(name.clone(), set.policy)) {
-                Some(&id) => {
-                    set_ids.insert(set, id);
-                }
+            let id = match self.service_ids.get(&(name.clone(), set.policy)) {
+                Some(&id) => id,
                 None => {
                     let id = self.free_service_ids.take();
-                    writes.push((id, ServiceName::new(&name, set.policy)));
+                    name_writes.push((id, ServiceName::new(&name, set.policy)));
                     named.push((set, name));
+                    id
                 }
-            }
-        }
-        let (written, result) = maps.put_names(&writes);
-        for ((set, name), &(id, _)) in named.iter().zip(&writes).take(written) {
-            self.held.names.insert(id, (name.clone(), set.policy));
-            self.service_ids.insert((name.clone(), set.policy), id);
+            };
             set_ids.insert(set, id);
-            stats.writes += 1;
         }
-        if let Err(e) = result {
-            for &(id, _) in &writes[written..] {
-                self.free_service_ids.give_back(id);
-            }
-            return Err(e).with_context(|| format!("service {}", named[written].1));
-        }
-
-        // 2. Slots, then the frontends that expose them.
         let mut services = Vec::new();
-        let mut writes = Vec::new();
+        let mut slot_writes = Vec::new();
         for (&set, &service_id) in &set_ids {
             for (slot, b) in desired.backend_sets[set].iter().enumerate() {
                 let key = SlotKey { service_id, slot: slot as u32 };
                 let backend_id = self.backend_ids[&(b.addr, b.port, b.proto)];
                 if self.held.slots.get(&key) != Some(&backend_id) {
                     services.push(&set.service);
-                    writes.push((key, backend_id));
+                    slot_writes.push((key, backend_id));
                 }
             }
         }
-        let (written, result) = maps.put_slots(&writes);
-        self.held.slots.reserve(written);
-        for &(key, backend_id) in writes.iter().take(written) {
+        let [(backends_written, backends_result), (names_written, names_result), (slots_written, slots_result)] =
+            if self.held.frontends.is_empty() {
+                maps.put_unexposed(&backend_writes, &name_writes, &slot_writes)
+            } else {
+                in_order(maps, &backend_writes, &name_writes, &slot_writes)
+            };
+        // The mirror takes what each map holds now, whatever failed.
+        self.held.backends.reserve(backends_written);
+        for &(id, want) in &backend_writes[..backends_written] {
+            self.held.backends.insert(id, want);
+            stats.writes += 1;
+        }
+        for (&t, &(id, _)) in tuples.iter().zip(&backend_writes).skip(backends_written) {
+            // Taken for this write and never written: nothing names it.
+            if !self.held.backends.contains_key(&id) {
+                self.backend_ids.remove(t);
+                self.free_backend_ids.give_back(id);
+            }
+        }
+        for ((set, name), &(id, _)) in named.iter().zip(&name_writes).take(names_written) {
+            self.held.names.insert(id, (name.clone(), set.policy));
+            self.service_ids.insert((name.clone(), set.policy), id);
+            stats.writes += 1;
+        }
+        for &(id, _) in &name_writes[names_written..] {
+            self.free_service_ids.give_back(id);
+        }
+        self.held.slots.reserve(slots_written);
+        for &(key, backend_id) in &slot_writes[..slots_written] {
             // The slot's previous backend may have left the set.
             self.affinity_purge_due |= self.held.slots.insert(key, backend_id).is_some();
             let n = self.slot_counts.entry(key.service_id).or_default();
             *n = (*n).max(key.slot + 1);
             stats.writes += 1;
         }
-        if let Err(e) = result {
-            return Err(e).with_context(|| format!("service {}: backend slot {}", services[written], writes[written].0.slot));
+        if let Err(e) = backends_result {
+            let (addr, port, _) = tuples[backends_written];
+            return Err(e).with_context(|| format!("backend {addr}:{port}"));
         }
-        // Maglev tables before the frontends flagged to read them: each
+        if let Err(e) = names_result {
+            return Err(e).with_context(|| format!("service {}", named[names_written].1));
+        }
+        if let Err(e) = slots_result {
+            return Err(e).with_context(|| format!("service {}: backend slot {}", services[slots_written], slot_writes[slots_written].0.slot));
+        }
+        // 2. Maglev tables before the frontends flagged to read them: each
         // written whole, in one update, when its backends changed.
         for (&set, &service_id) in &set_ids {
             if !desired.wants_maglev_table(set) {
@@ -725,17 +733,37 @@ mod tests {
         assert!(maps.service_cidrs.is_empty());
     }
 
-    /// Contents whose next slot write fails (`slot`), or whose name write
-    /// fails after `names_ok` more succeed.
+    /// Contents whose next slot write fails (`slot`), or whose name or
+    /// backend write fails after `names_ok` / `backends_ok` more succeed.
+    /// `at_once`: writes backends, names and slots of unexposed services
+    /// whatever fails, as the pinned maps do on two threads.
     #[derive(Default)]
     struct FailOnce {
         maps: Contents,
         slot: bool,
         names_ok: Option<usize>,
+        backends_ok: Option<usize>,
+        at_once: bool,
+    }
+
+    /// Fails once the count of writes still to succeed is down to 0.
+    fn count_down(ok: &mut Option<usize>) -> Result<()> {
+        match ok {
+            Some(0) => {
+                *ok = None;
+                anyhow::bail!("map full")
+            }
+            Some(left) => *left -= 1,
+            None => {}
+        }
+        Ok(())
     }
 
     impl MapWriter for FailOnce {
-        fn put_backend(&mut self, id: u32, b: &Backend) -> Result<()> { self.maps.put_backend(id, b) }
+        fn put_backend(&mut self, id: u32, b: &Backend) -> Result<()> {
+            count_down(&mut self.backends_ok)?;
+            self.maps.put_backend(id, b)
+        }
         fn del_backend(&mut self, id: u32) -> Result<()> { self.maps.del_backend(id) }
         fn put_slot(&mut self, k: &SlotKey, v: u32) -> Result<()> {
             if std::mem::take(&mut self.slot) { anyhow::bail!("map full") }
@@ -745,14 +773,7 @@ mod tests {
         fn put_frontend(&mut self, k: &FrontendKey, e: &ServiceEntry) -> Result<()> { self.maps.put_frontend(k, e) }
         fn del_frontend(&mut self, k: &FrontendKey) -> Result<()> { self.maps.del_frontend(k) }
         fn put_name(&mut self, id: u32, n: &ServiceName) -> Result<()> {
-            match self.names_ok {
-                Some(0) => {
-                    self.names_ok = None;
-                    anyhow::bail!("map full")
-                }
-                Some(ref mut ok) => *ok -= 1,
-                None => {}
-            }
+            count_down(&mut self.names_ok)?;
             self.maps.put_name(id, n)
         }
         fn del_name(&mut self, id: u32) -> Result<()> { self.maps.del_name(id) }
@@ -764,6 +785,12 @@ mod tests {
         fn del_service_cidr(&mut self, n: &IpNet) -> Result<()> { self.maps.del_service_cidr(n) }
         fn purge_affinity(&mut self, settle: bool, stale: &mut dyn FnMut(&AffinityKey, &AffinityEntry) -> bool) -> Result<usize> {
             self.maps.purge_affinity(settle, stale)
+        }
+        fn put_unexposed(&mut self, b: &[(u32, Backend)], n: &[(u32, ServiceName)], s: &[(SlotKey, u32)]) -> [(usize, Result<()>); 3] {
+            if !self.at_once {
+                return in_order(self, b, n, s);
+            }
+            [self.put_backends(b), self.put_names(n), self.put_slots(s)]
         }
     }
 
@@ -793,6 +820,30 @@ mod tests {
         assert_eq!(ids, [1, 2, 3], "the IDs of the failed writes were given back, not leaked");
         for (vip, backend) in [("10.96.0.1", "10.0.0.1"), ("10.96.0.2", "10.0.0.2"), ("10.96.0.3", "10.0.0.3")] {
             assert_eq!(resolve(&maps.maps, vip), [backend]);
+        }
+    }
+
+    #[test]
+    fn writes_at_once_that_fail_leave_the_mirror_true_and_the_next_sync_whole() {
+        let d = desired(&[("a", "10.96.0.1", &["10.0.0.1"]), ("b", "10.96.0.2", &["10.0.0.2"]), ("c", "10.96.0.3", &["10.0.0.3"])]);
+        for (names_ok, backends_ok) in [(Some(1), None), (None, Some(1))] {
+            let mut maps = FailOnce { names_ok, backends_ok, at_once: true, ..Default::default() };
+            let mut r = Reconciler::adopt(Contents::default());
+            let e = r.sync(&d, &mut maps).unwrap_err();
+            assert!(format!("{e:#}").contains("map full"), "{e:#}");
+            assert_eq!(maps.maps.slots.len(), 3, "the slots were written beside the failure");
+            assert!(maps.maps.frontends.is_empty(), "nothing exposed after a failed write");
+            let held = r.held();
+            assert_eq!((&held.slots, &held.backends), (&maps.maps.slots, &maps.maps.backends), "the mirror holds what the maps hold");
+            assert_eq!(held.names.keys().collect::<BTreeSet<_>>(), maps.maps.names.keys().collect());
+            let known = d.backends.keys().filter(|t| crate::capacity::Held::has_backend(&r, t)).count();
+            assert_eq!(known, maps.maps.backends.len(), "an ID whose write failed is not kept");
+
+            r.sync(&d, &mut maps).unwrap();
+            for (vip, backend) in [("10.96.0.1", "10.0.0.1"), ("10.96.0.2", "10.0.0.2"), ("10.96.0.3", "10.0.0.3")] {
+                assert_eq!(resolve(&maps.maps, vip), [backend]);
+            }
+            assert_eq!((maps.maps.slots.len(), maps.maps.backends.len(), maps.maps.names.len()), (3, 3, 3), "no leftovers");
         }
     }
 

@@ -19,7 +19,7 @@ use proxy_common::*;
 mod batch;
 mod writer;
 
-pub use writer::{Contents, MapFull, MapWriter, full_map};
+pub use writer::{Contents, MapFull, MapWriter, full_map, in_order};
 
 use crate::{
     capacity::{Entries, ServiceMap},

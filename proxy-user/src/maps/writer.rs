@@ -75,6 +75,34 @@ pub trait MapWriter {
     fn put_names(&mut self, entries: &[(u32, ServiceName)]) -> (usize, Result<()>) {
         each(entries, |(id, name)| self.put_name(*id, name))
     }
+
+    /// Backends, names and slots for maps that hold no frontend: no packet
+    /// can reach a slot before a frontend names it (and names are read only
+    /// by `dump`), so their order does not matter and a writer may write
+    /// the three maps at once. Each map's (written, error) as in
+    /// `put_backends`; a map's writes may stand after another map failed.
+    fn put_unexposed(&mut self, backends: &[(u32, Backend)], names: &[(u32, ServiceName)], slots: &[(SlotKey, u32)]) -> [(usize, Result<()>); 3] {
+        in_order(self, backends, names, slots)
+    }
+}
+
+/// Backends, then names, then slots, each only if the one before it was
+/// written whole: slots never name an unwritten backend or service.
+pub fn in_order(
+    maps: &mut (impl MapWriter + ?Sized),
+    backends: &[(u32, Backend)],
+    names: &[(u32, ServiceName)],
+    slots: &[(SlotKey, u32)],
+) -> [(usize, Result<()>); 3] {
+    let backends = maps.put_backends(backends);
+    if backends.1.is_err() {
+        return [backends, (0, Ok(())), (0, Ok(()))];
+    }
+    let names = maps.put_names(names);
+    if names.1.is_err() {
+        return [backends, names, (0, Ok(()))];
+    }
+    [backends, names, maps.put_slots(slots)]
 }
 
 /// `write` on each entry until one fails: how many succeeded, and the error.
@@ -151,6 +179,9 @@ impl MapWriter for Contents {
     }
 }
 
+/// Fewer writes than this on either side are not worth a thread.
+const THREAD_WORTH: usize = 4096;
+
 impl MapWriter for Maps {
     fn put_backends(&mut self, entries: &[(u32, Backend)]) -> (usize, Result<()>) {
         let (done, result) = batch::insert_all(&mut self.backends, entries);
@@ -167,6 +198,27 @@ impl MapWriter for Maps {
     fn put_names(&mut self, entries: &[(u32, ServiceName)]) -> (usize, Result<()>) {
         let (done, result) = batch::insert_all(&mut self.names, entries);
         (done, in_service_map(ServiceMap::Names, self.service_capacity, result))
+    }
+    /// Backends on a thread of their own, beside names then slots: the
+    /// first sync of an empty node writes ~100,000 of each, and each
+    /// insert is a kernel allocation, so two CPUs halve the wait.
+    fn put_unexposed(&mut self, backends: &[(u32, Backend)], names: &[(u32, ServiceName)], slots: &[(SlotKey, u32)]) -> [(usize, Result<()>); 3] {
+        if backends.len().min(names.len() + slots.len()) < THREAD_WORTH {
+            return in_order(self, backends, names, slots);
+        }
+        let capacity = self.service_capacity;
+        let (backends_map, names_map, slots_map) = (&mut self.backends, &mut self.names, &mut self.slots);
+        let (backends_done, names_done, slots_done) = std::thread::scope(|scope| {
+            let beside = scope.spawn(|| batch::insert_all(backends_map, backends));
+            let names_done = batch::insert_all(names_map, names);
+            let slots_done = batch::insert_all(slots_map, slots);
+            (beside.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)), names_done, slots_done)
+        });
+        [
+            (backends_done.0, in_service_map(ServiceMap::Backends, capacity, backends_done.1)),
+            (names_done.0, in_service_map(ServiceMap::Names, capacity, names_done.1)),
+            (slots_done.0, in_service_map(ServiceMap::Slots, capacity, slots_done.1)),
+        ]
     }
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<()> {
         in_service_map(ServiceMap::Backends, self.service_capacity, self.backends.insert(&id, backend, 0))

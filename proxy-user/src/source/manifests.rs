@@ -13,6 +13,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
+use rayon::prelude::*;
 use notify::{
     EventKind, RecursiveMode, Watcher,
     event::{AccessKind, AccessMode, CreateKind, ModifyKind, RemoveKind},
@@ -157,30 +158,9 @@ fn read_all(paths: &[PathBuf], known: &[Option<u64>]) -> Vec<Read> {
             Read::Parsed(hash, parsed)
         }
     };
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(paths.len());
-    if threads <= 1 {
-        return paths.iter().zip(known).map(|(p, k)| read_one(p, *k)).collect();
-    }
-    // Each thread takes the next file when it is done with one, so files
-    // of unequal size (or a thread that gets less CPU) leave none idle.
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut reads: Vec<(usize, Read)> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut mine = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(path) = paths.get(i) else { break mine };
-                        mine.push((i, read_one(path, known[i])));
-                    }
-                })
-            })
-            .collect();
-        workers.into_iter().flat_map(|w| w.join().expect("manifest reader panicked")).collect()
-    });
-    reads.sort_unstable_by_key(|(i, _)| *i);
-    reads.into_iter().map(|(_, read)| read).collect()
+    // A file per task: idle CPUs steal the next file, so files of unequal
+    // size (or a CPU busy elsewhere) leave none idle.
+    paths.par_iter().zip(known).with_max_len(1).map(|(path, known)| read_one(path, *known)).collect()
 }
 
 fn is_manifest(path: &Path) -> bool {
