@@ -37,6 +37,8 @@ pub const SCALES: [usize; 3] = [1_000, 10_000, 100_000];
 /// the median start's, so one start slowed by the machine (the previous
 /// family's teardown, a neighbour) does not stand for the agent.
 pub const COLD_STARTS: usize = 3;
+/// Before each start, at most this long for the machine to go idle.
+pub const QUIET_WAIT: Duration = Duration::from_secs(5);
 /// Change-to-map latency is measured on a cluster of this many Services.
 pub const CHANGE_SCALES: [usize; 2] = [1_000, 10_000];
 
@@ -171,6 +173,7 @@ fn one_scale(out: &mut Results, dir: &Path, scale: usize, changes: usize) -> Res
         // Socket hooks on an empty cgroup of their own, away from every process.
         let cgroup = Cgroup::new("bench-cp")?;
         let cg = cgroup.path().to_string_lossy().into_owned();
+        super::wait_for_quiet(QUIET_WAIT)?;
         let started = Instant::now();
         let started_wall = std::time::SystemTime::now();
         let mut agent = Agent::start(&ns, dir, &root, &["--cgroup-root", &cg])?;

@@ -20,7 +20,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Result, ensure};
 use proxy_tests::{
     agent::Agent,
     bench::{
@@ -32,7 +32,10 @@ use proxy_tests::{
     topology::{External, Node, mac_of},
 };
 
-use super::traffic::{NODE_IP, Peer, PeerFiles, SCALES, program};
+use super::{
+    cpu_busy,
+    traffic::{NODE_IP, Peer, PeerFiles, SCALES, program},
+};
 
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
 /// The next hop to the backends: the generator's end of the veth.
@@ -229,17 +232,6 @@ impl Bench {
             _ => Ok(None),
         }
     }
-}
-
-/// Busy CPU seconds of the whole machine so far (/proc/stat: all but idle and iowait).
-fn cpu_busy() -> Result<f64> {
-    let stat = std::fs::read_to_string("/proc/stat")?;
-    let line = stat.lines().next().context("empty /proc/stat")?;
-    // user nice system idle iowait irq softirq steal (guest time is in user already).
-    let ticks: Vec<u64> = line.split_whitespace().skip(1).take(8).map(|f| f.parse().unwrap_or(0)).collect();
-    let busy: u64 = ticks.iter().enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, t)| t).sum();
-    // In USER_HZ, 100 on Linux.
-    Ok(busy as f64 / 100.0)
 }
 
 fn mac(text: &str) -> Result<[u8; 6]> {

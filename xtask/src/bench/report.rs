@@ -289,9 +289,11 @@ fn targets(md: &mut String, m: &Measured) {
                      document goes from the parser straight to its type once its apiVersion and kind are read. \
                      The verifier's work was halved (masquerade's port tries carry no per-path state; SCTP's \
                      CRC update is a global BPF function, checked once per program). The first \
-                     sync builds every Service's part of the model and writes ~240 000 map entries (backends, \
+                     sync builds the Services' parts of the model on every CPU (and, rebuilding everything, \
+                     records no touched keys) and writes ~240 000 map entries (backends, \
                      slots, frontends, ClusterIP markers, names), each map's in batches \
-                     (BPF_MAP_UPDATE_BATCH, 8 192 entries a call), where the kernel's own insert into a \
+                     (BPF_MAP_UPDATE_BATCH, 8 192 entries a call; on maps that hold no frontend yet, the \
+                     backends on one thread beside the names and slots on another), where the kernel's own insert into a \
                      non-preallocated hash map is most of the cost left. On 2 CPUs the verifier, the parse and \
                      the sync are CPU-bound side by side. Closing it: one slot array per service in the datapath \
                      (10 000 writes instead of 100 000); against the API server the parse \
@@ -629,7 +631,9 @@ fn control_section(md: &mut String, r: &control::Results, figures: &Path) -> Res
         md,
         "The release agent on generated manifests (1 000 Services a file), on an empty private bpffs. \
          *To healthy*: from starting the process to /healthz 200, which the agent answers once the first \
-         full sync is in the maps; up to 10 000 Services the agent is started {} times and the row is the \
+         full sync is in the maps; each start waits (at most {} s) for the machine to go idle first (under a \
+         fifth of a CPU busy over 100 ms), as the kernel frees the previous start's namespace and maps in the \
+         background; up to 10 000 Services the agent is started {} times and the row is the \
          median start's (*cold starts* lists them all); *agent sync*: the model build and map writes of that sync, from the \
          agent's own `sync done ... elapsed_us` log line. The phases come from the timestamps of the \
          agent's log lines: process start to `dataplane loaded` (BPF object loaded, maps created); process \
@@ -638,6 +642,7 @@ fn control_section(md: &mut String, r: &control::Results, figures: &Path) -> Res
          VmHWM is the peak). Map memory: the kernel's `memlock` of each map the agent holds \
          (/proc/PID/fdinfo), counted once per map; the service maps are not preallocated, so it grows with \
          the entries (conntrack is an LRU map, preallocated).\n",
+        control::QUIET_WAIT.as_secs(),
         control::COLD_STARTS
     );
     let _ = writeln!(
