@@ -13,11 +13,11 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use rayon::prelude::*;
 use notify::{
     EventKind, RecursiveMode, Watcher,
     event::{AccessKind, AccessMode, CreateKind, ModifyKind, RemoveKind},
 };
+use rayon::prelude::*;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
