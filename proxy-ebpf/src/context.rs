@@ -42,7 +42,44 @@ pub fn write<T: Copy>(ctx: &impl PacketContext, off: usize, value: T) -> Option<
     Some(())
 }
 
+/// The largest offset `load_linear_first` and `store_linear_first` try in
+/// the linear data (an IP packet is shorter).
+const MAX_DIRECT_OFF: usize = 0xffff;
+
+/// The `T` at `off`: straight from the linear data when it holds it (an
+/// IPv4 packet's headers, which `parse` pulled in), else with the
+/// context's `load` (a helper call in TC, ~20 ns each).
+#[inline(always)]
+pub fn load_linear_first<C: PacketContext, T: Copy>(ctx: &C, off: usize) -> Result<T, i64> {
+    // Bounded first: in a subprogram the offset is an argument the verifier
+    // knows nothing of, and it adds no unbounded number to a packet pointer.
+    if off > MAX_DIRECT_OFF {
+        return ctx.load(off);
+    }
+    match read(ctx, off) {
+        Some(value) => Ok(value),
+        None => ctx.load(off),
+    }
+}
+
+/// Writes `value` at `off` as `load_linear_first` reads.
+#[inline(always)]
+pub fn store_linear_first<C: PacketContext, T: Copy>(ctx: &C, off: usize, value: T) -> Result<(), i64> {
+    if off > MAX_DIRECT_OFF {
+        return ctx.store(off, &value, 0);
+    }
+    match write(ctx, off, value) {
+        Some(()) => Ok(()),
+        None => ctx.store(off, &value, 0),
+    }
+}
+
 pub trait PacketContext: EbpfContext {
+    /// Whether a packet may hold a partial L4 checksum (CHECKSUM_PARTIAL),
+    /// which only the kernel's helper updates right: TC's packets may, XDP's
+    /// never do.
+    const MAY_BE_PARTIAL: bool;
+
     /// The first byte of the packet's linear data, and one past its last
     /// (direct packet access; the verifier wants every read checked
     /// against the end).
@@ -69,8 +106,10 @@ pub trait PacketContext: EbpfContext {
     fn change_tail(&self, len: u32, flags: u64) -> Result<(), i64>;
     /// Whether the packet's L4 checksum is only partial (CHECKSUM_PARTIAL:
     /// the rest is computed on the way out), judged by the checksum field
-    /// at `off`, which the caller overwrites afterwards.
-    fn checksum_is_partial(&self, off: usize) -> Result<bool, i64>;
+    /// at `off`, which the caller overwrites afterwards. `linear`: the field
+    /// is read and written in the linear data where it lies there (IPv4,
+    /// whose headers `parse` pulled in), not only with helpers.
+    fn checksum_is_partial(&self, off: usize, linear: bool) -> Result<bool, i64>;
     /// The network protocol (an Ethernet type, network order in the low 16
     /// bits) the packet carries by the hook's metadata: what a device
     /// without Ethernet headers says in place of one.
@@ -78,6 +117,8 @@ pub trait PacketContext: EbpfContext {
 }
 
 impl PacketContext for TcContext {
+    const MAY_BE_PARTIAL: bool = true;
+
     #[inline(always)]
     fn data(&self) -> usize {
         TcContext::data(self)
@@ -134,11 +175,16 @@ impl PacketContext for TcContext {
     /// helper leaves a partial packet's field untouched unless the
     /// pseudo-header changes: change a test value and look.
     #[inline(always)]
-    fn checksum_is_partial(&self, off: usize) -> Result<bool, i64> {
+    fn checksum_is_partial(&self, off: usize, linear: bool) -> Result<bool, i64> {
         const PROBE: u16 = 0x1234;
-        TcContext::store(self, off, &PROBE, 0)?;
+        if linear {
+            store_linear_first(self, off, PROBE)?;
+        } else {
+            TcContext::store(self, off, &PROBE, 0)?;
+        }
         TcContext::l4_csum_replace(self, off, 0, 1, 2)?;
-        Ok(TcContext::load::<u16>(self, off)? == PROBE)
+        let seen = if linear { load_linear_first::<_, u16>(self, off)? } else { TcContext::load::<u16>(self, off)? };
+        Ok(seen == PROBE)
     }
 
     #[inline(always)]
@@ -154,6 +200,8 @@ impl PacketContext for TcContext {
 /// write it: every access is a direct one, checked against the end. Kernel
 /// 5.10 has no bpf_xdp_load_bytes/store_bytes.
 impl PacketContext for XdpContext {
+    const MAY_BE_PARTIAL: bool = false;
+
     #[inline(always)]
     fn data(&self) -> usize {
         XdpContext::data(self)
@@ -232,7 +280,7 @@ impl PacketContext for XdpContext {
     }
 
     #[inline(always)]
-    fn checksum_is_partial(&self, _off: usize) -> Result<bool, i64> {
+    fn checksum_is_partial(&self, _off: usize, _linear: bool) -> Result<bool, i64> {
         Ok(false)
     }
 

@@ -23,13 +23,13 @@ use crate::headers::IPV4_CSUM_OFF;
 /// Client -> frontend becomes client -> backend.
 #[inline(always)]
 pub fn rewrite_dst<F: Family>(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
-    rewrite::<F, true, true>(ctx, pkt, F::DST_OFF, &pkt.tuple.dst, addr, 2, pkt.tuple.dport, port)
+    rewrite::<F, true, true, _>(ctx, pkt, F::DST_OFF, &pkt.tuple.dst, addr, 2, pkt.tuple.dport, port)
 }
 
 /// Backend -> client becomes frontend -> client.
 #[inline(always)]
 pub fn rewrite_src<F: Family>(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
-    rewrite::<F, true, true>(ctx, pkt, F::SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
+    rewrite::<F, true, true, _>(ctx, pkt, F::SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
 }
 
 /// `rewrite_src` for a TCP or UDP packet only: without SCTP's CRC
@@ -37,7 +37,7 @@ pub fn rewrite_src<F: Family>(ctx: &impl PacketContext, pkt: &Packet, addr: &Add
 /// `xdp_forward`).
 #[inline(always)]
 pub fn rewrite_src_tcp_udp<F: Family>(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr, port: u16) -> Result<(), i64> {
-    rewrite::<F, true, false>(ctx, pkt, F::SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
+    rewrite::<F, true, false, _>(ctx, pkt, F::SRC_OFF, &pkt.tuple.src, addr, 0, pkt.tuple.sport, port)
 }
 
 /// `rewrite_dst` for a later IP fragment, which has no L4 header: the
@@ -45,22 +45,22 @@ pub fn rewrite_src_tcp_udp<F: Family>(ctx: &impl PacketContext, pkt: &Packet, ad
 #[inline(always)]
 pub fn rewrite_dst_address<F: Family>(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr) -> Result<(), i64> {
     let port = pkt.tuple.dport;
-    rewrite::<F, false, true>(ctx, pkt, F::DST_OFF, &pkt.tuple.dst, addr, 2, port, port)
+    rewrite::<F, false, true, _>(ctx, pkt, F::DST_OFF, &pkt.tuple.dst, addr, 2, port, port)
 }
 
 /// `rewrite_src` for a later IP fragment (see `rewrite_dst_address`).
 #[inline(always)]
 pub fn rewrite_src_address<F: Family>(ctx: &impl PacketContext, pkt: &Packet, addr: &Addr) -> Result<(), i64> {
     let port = pkt.tuple.sport;
-    rewrite::<F, false, true>(ctx, pkt, F::SRC_OFF, &pkt.tuple.src, addr, 0, port, port)
+    rewrite::<F, false, true, _>(ctx, pkt, F::SRC_OFF, &pkt.tuple.src, addr, 0, port, port)
 }
 
 /// `L4`: the packet has its L4 header (every packet but a later fragment),
 /// whose port and checksum change too. `SCTP`: it may be an SCTP packet.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn rewrite<F: Family, const L4: bool, const SCTP: bool>(
-    ctx: &impl PacketContext,
+fn rewrite<F: Family, const L4: bool, const SCTP: bool, C: PacketContext>(
+    ctx: &C,
     pkt: &Packet,
     ip_field: usize,
     old_addr: &Addr,
@@ -83,6 +83,11 @@ fn rewrite<F: Family, const L4: bool, const SCTP: bool>(
     if port_changes && !is_sctp {
         set::<F, u16>(ctx, pkt.l4_off + port_field, new_port)?;
     }
+    // IPv4 in TC, address and port: one helper call for both (see
+    // `ipv4_address_then_port`).
+    if !F::V6 && C::MAY_BE_PARTIAL && addr_changes && port_changes && !is_sctp {
+        return ipv4_address_then_port(ctx, pkt, old_addr, new_addr, old_port, new_port, l4_flags);
+    }
     // SCTP's CRC32c has no pseudo-header: an address change leaves it alone.
     if addr_changes && !is_sctp && L4 {
         for i in F::FIRST_WORD..4 {
@@ -94,11 +99,50 @@ fn rewrite<F: Family, const L4: bool, const SCTP: bool>(
     }
     if port_changes {
         if is_sctp {
-            return sctp::rewrite_port(ctx, pkt, port_field, old_port, new_port);
+            return sctp::rewrite_port::<F>(ctx, pkt, port_field, old_port, new_port);
         }
         ctx.l4_csum_replace(pkt.l4_csum_off, old_port as u64, new_port as u64, l4_flags | 2)?;
     }
     Ok(())
+}
+
+/// The L4 checksum of an IPv4 TCP or UDP packet in TC whose address and
+/// port both changed (already written), with one helper call instead of
+/// two. The address's change, a pseudo-header one, must go through the
+/// helper, which alone knows whether the packet is CHECKSUM_PARTIAL; the
+/// port's must not touch a partial packet at all, and a full checksum
+/// takes it as RFC 1624 says. The field as it was before the helper's
+/// update and after it tells which the packet is (`csum::pseudo_update`), so
+/// a full checksum takes the port's change straight into the field. Where
+/// the two cannot be told apart, the helper takes the port too, as before.
+#[inline(always)]
+fn ipv4_address_then_port(
+    ctx: &impl PacketContext,
+    pkt: &Packet,
+    old_addr: &Addr,
+    new_addr: &Addr,
+    old_port: u16,
+    new_port: u16,
+    l4_flags: u64,
+) -> Result<(), i64> {
+    let (old, new) = (old_addr.v4_octets(), new_addr.v4_octets());
+    let before: [u8; 2] = read(ctx, pkt.l4_csum_off)?;
+    let (from, to) = (u32::from_ne_bytes(old), u32::from_ne_bytes(new));
+    ctx.l4_csum_replace(pkt.l4_csum_off, from as u64, to as u64, l4_flags | BPF_F_PSEUDO_HDR as u64 | 4)?;
+    let after: [u8; 2] = read(ctx, pkt.l4_csum_off)?;
+    match csum::pseudo_update(before, after, old, new) {
+        csum::PseudoUpdate::Partial => Ok(()),
+        csum::PseudoUpdate::Full => {
+            let updated = csum::replace2(after, old_port.to_ne_bytes(), new_port.to_ne_bytes());
+            // UDP: a sum of 0 goes out as 0xffff, 0 meaning "no checksum"
+            // (the helper's BPF_F_MARK_MANGLED_0).
+            let mangled_0 = l4_flags & BPF_F_MARK_MANGLED_0 as u64 != 0;
+            write(ctx, pkt.l4_csum_off, if mangled_0 && updated == [0, 0] { [0xff, 0xff] } else { updated })
+        }
+        csum::PseudoUpdate::Unknown => {
+            ctx.l4_csum_replace(pkt.l4_csum_off, old_port as u64, new_port as u64, l4_flags | 2)
+        }
+    }
 }
 
 /// The address at `l3_off + field`, and IPv4's header checksum over it.

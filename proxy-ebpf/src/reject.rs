@@ -110,7 +110,7 @@ fn build<F: Family>(ctx: &impl PacketContext, pkt: &Packet) -> Result<(), i64> {
     // (ICMP's checksum is whole whatever completion does, see above).
     let pseudo_header = tcp || F::V6;
     let completed_at = l3 + ip_hlen + if tcp { TCP_CSUM_OFF } else { UDP_CSUM_OFF };
-    let partial = pseudo_header && ctx.checksum_is_partial(completed_at)?;
+    let partial = pseudo_header && ctx.checksum_is_partial(completed_at, false)?;
     // Pseudo-header (RFC 793, RFC 8200 8.1): addresses, upper-layer length,
     // protocol. Summed after the helper calls: LLVM would otherwise load the
     // bytes before them and keep them on the stack across.

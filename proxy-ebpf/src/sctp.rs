@@ -16,7 +16,12 @@
 
 use proxy_common::crc32c::update_port;
 
-use crate::{context::PacketContext, headers::TCP_SYN, packet::Packet};
+use crate::{
+    context::{PacketContext, load_linear_first, store_linear_first},
+    family::Family,
+    headers::TCP_SYN,
+    packet::Packet,
+};
 
 /// Source port, destination port, verification tag, checksum.
 pub const COMMON_HEADER_LEN: usize = 12;
@@ -40,11 +45,17 @@ pub fn opening_flags(first_chunk: Option<u8>) -> u8 {
 /// The helper calls live in two small subprograms, called one after the
 /// other: a subprogram's stack frame adds to its caller's, and tc_egress's
 /// own frame leaves little of the kernel's 512 bytes.
+///
+/// IPv4's fields are read and written in the linear data (`parse` pulled the
+/// headers in), which saves five helper calls; IPv6's with helpers, as
+/// everything of IPv6 (`LINEAR`: a constant per subprogram, so the verifier
+/// of an IPv6 program never sees a packet pointer moved by an offset it
+/// cannot bound).
 #[inline(always)]
-pub fn rewrite_port(ctx: &impl PacketContext, pkt: &Packet, port_field: usize, old_port: u16, new_port: u16) -> Result<(), i64> {
+pub fn rewrite_port<F: Family>(ctx: &impl PacketContext, pkt: &Packet, port_field: usize, old_port: u16, new_port: u16) -> Result<(), i64> {
     let port_off = pkt.l4_off + port_field;
     let dist = pkt.l4_end.checked_sub(port_off + 2).ok_or(-1i64)?;
-    let probed = load_crc_and_probe(ctx, pkt.l4_csum_off);
+    let probed = if F::V6 { load_crc_and_probe::<false>(ctx, pkt.l4_csum_off) } else { load_crc_and_probe::<true>(ctx, pkt.l4_csum_off) };
     if probed < 0 {
         return Err(probed);
     }
@@ -54,7 +65,12 @@ pub fn rewrite_port(ctx: &impl PacketContext, pkt: &Packet, port_field: usize, o
     } else {
         crc_after_port_change(stored, old_port as u32, new_port as u32, dist as u32)
     };
-    match store_crc_and_port(ctx, pkt.l4_csum_off, crc, port_off, new_port) {
+    let written = if F::V6 {
+        store_crc_and_port::<false>(ctx, pkt.l4_csum_off, crc, port_off, new_port)
+    } else {
+        store_crc_and_port::<true>(ctx, pkt.l4_csum_off, crc, port_off, new_port)
+    };
+    match written {
         0 => Ok(()),
         err => Err(err),
     }
@@ -78,10 +94,10 @@ const PARTIAL: i64 = 1 << 32;
 /// if the kernel computes the checksum later, or a helper's negative error.
 /// Leaves the probe's bytes in the field: `store_crc_and_port` overwrites them.
 #[inline(never)]
-fn load_crc_and_probe(ctx: &impl PacketContext, csum_off: usize) -> i64 {
+fn load_crc_and_probe<const LINEAR: bool>(ctx: &impl PacketContext, csum_off: usize) -> i64 {
     let ctx = opaque(ctx);
-    let Ok(stored) = ctx.load::<u32>(csum_off) else { return -1 };
-    match ctx.checksum_is_partial(csum_off) {
+    let Ok(stored) = get::<LINEAR, u32>(ctx, csum_off) else { return -1 };
+    match ctx.checksum_is_partial(csum_off, LINEAR) {
         Ok(true) => i64::from(stored) | PARTIAL,
         Ok(false) => i64::from(stored),
         Err(e) => e,
@@ -90,15 +106,28 @@ fn load_crc_and_probe(ctx: &impl PacketContext, csum_off: usize) -> i64 {
 
 /// Writes the CRC and the port (network order); 0 or a helper's negative error.
 #[inline(never)]
-fn store_crc_and_port(ctx: &impl PacketContext, csum_off: usize, crc: u32, port_off: usize, port: u16) -> i64 {
+fn store_crc_and_port<const LINEAR: bool>(ctx: &impl PacketContext, csum_off: usize, crc: u32, port_off: usize, port: u16) -> i64 {
     let ctx = opaque(ctx);
-    if let Err(e) = ctx.store(csum_off, &crc, 0) {
+    if let Err(e) = put::<LINEAR, _>(ctx, csum_off, crc) {
         return e;
     }
-    match ctx.store(port_off, &port, 0) {
+    match put::<LINEAR, _>(ctx, port_off, port) {
         Ok(()) => 0,
         Err(e) => e,
     }
+}
+
+/// The `T` at `off`: in the linear data where it lies there (`LINEAR`), else
+/// with the load helper.
+#[inline(always)]
+fn get<const LINEAR: bool, T: Copy>(ctx: &impl PacketContext, off: usize) -> Result<T, i64> {
+    if LINEAR { load_linear_first(ctx, off) } else { ctx.load(off) }
+}
+
+/// Writes `value` at `off` as `get` reads.
+#[inline(always)]
+fn put<const LINEAR: bool, T: Copy>(ctx: &impl PacketContext, off: usize, value: T) -> Result<(), i64> {
+    if LINEAR { store_linear_first(ctx, off, value) } else { ctx.store(off, &value, 0) }
 }
 
 /// The context as the subprogram's own: without it, LLVM passes an XDP
