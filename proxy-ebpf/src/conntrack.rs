@@ -64,7 +64,7 @@ fn clock() -> u64 {
 
 /// The clock as last read, and the tick (jiffies) it was read in: see `now`.
 #[repr(C)]
-pub struct KeptClock {
+struct KeptClock {
     tick: u64,
     ns: u64,
 }
@@ -98,9 +98,8 @@ pub fn lookup_mut(tuple: &CtKey) -> Option<&mut CtEntry> {
     raw(tuple).filter(|e| is_live(e))
 }
 
-///
 /// Only an unconfirmed or closing entry can lapse, so only those read the
-/// clock: an established packet pays one clock call (in `touch`), not two.
+/// clock.
 #[inline(always)]
 fn is_live(e: &CtEntry) -> bool {
     if e.flags & (CT_PENDING | CT_CLOSING) == 0 {
