@@ -2,7 +2,8 @@
 //! in the BPF unit object): `xdp_pktgen` sends a UDP frame, one source
 //! port after another, out of a veth with BPF_PROG_TEST_RUN in live-frames
 //! mode (the kernel hands each XDP_TX to the veth, as a driver would);
-//! `xdp_pktsink` counts on that veth what came back.
+//! `xdp_pktsink` counts on that veth what came back; `xdp_pktreflect`
+//! stands in for the node to measure the floor.
 
 use std::{
     net::Ipv4Addr,
@@ -65,6 +66,13 @@ impl Pktgen {
     pub fn attach_pass(&mut self, ns: &Netns, ifname: &str) -> Result<()> {
         let unit = &mut self.unit;
         ns.run_borrowing(|| unit.attach_xdp_pass(&[ifname.to_string()]))?
+    }
+
+    /// `xdp_pktreflect` on `ifname` in `ns` (the node's end of the veth):
+    /// every frame straight back to the sink, the floor of the bench.
+    pub fn attach_reflector(&mut self, ns: &Netns, ifname: &str) -> Result<()> {
+        let unit = &mut self.unit;
+        ns.run_borrowing(|| unit.attach_xdp("xdp_pktreflect", &[ifname.to_string()]))?
     }
 
     /// Frames the sink counted so far.

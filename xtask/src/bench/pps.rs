@@ -8,9 +8,16 @@
 //!
 //! Datapaths: ebpf-proxy with native XDP on the node's veth, ebpf-proxy on
 //! TC only, kube-proxy's nftables and iptables rules (traffic.rs's peers),
-//! and no proxy (the generator sends to a backend directly: plain
-//! forwarding, the stack path's ceiling). As in traffic.rs, each has its
-//! own topology, and rounds visit them in turn.
+//! no proxy (the generator sends to a backend directly: plain forwarding,
+//! the stack path's ceiling), and a reflector (an XDP program on the node's
+//! veth that turns each frame around: the floor). As in traffic.rs, each
+//! has its own topology, and rounds visit them in turn.
+//!
+//! The generator's send runs the node's and the sink's work too: a veth
+//! runs its receiver's NAPI where the frame was sent, so one CPU carries
+//! generator, node and sink in series. The floor is what the generator,
+//! the veth's two crossings and the sink cost; a datapath's time per packet
+//! less the floor's is its own.
 
 use std::{
     net::Ipv4Addr,
@@ -54,16 +61,25 @@ pub enum Datapath {
     IptablesNft,
     IptablesLegacy,
     NoProxy,
+    Reflector,
 }
 
 impl Datapath {
-    pub const ALL: [Datapath; 6] =
-        [Datapath::Xdp, Datapath::Tc, Datapath::Nftables, Datapath::IptablesNft, Datapath::IptablesLegacy, Datapath::NoProxy];
+    pub const ALL: [Datapath; 7] = [
+        Datapath::Xdp,
+        Datapath::Tc,
+        Datapath::Nftables,
+        Datapath::IptablesNft,
+        Datapath::IptablesLegacy,
+        Datapath::NoProxy,
+        Datapath::Reflector,
+    ];
 
     pub fn label(self) -> &'static str {
         match self {
             Datapath::Xdp => "ebpf-proxy XDP",
             Datapath::Tc => "ebpf-proxy TC",
+            Datapath::Reflector => "reflector (floor)",
             other => other.peer().label(),
         }
     }
@@ -74,8 +90,13 @@ impl Datapath {
             Datapath::Nftables => Peer::Nftables,
             Datapath::IptablesNft => Peer::IptablesNft,
             Datapath::IptablesLegacy => Peer::IptablesLegacy,
-            Datapath::NoProxy => Peer::NoProxy,
+            Datapath::NoProxy | Datapath::Reflector => Peer::NoProxy,
         }
+    }
+
+    /// The generator sends to an endpoint itself, not to the NodePort.
+    fn dials_endpoint(self) -> bool {
+        matches!(self, Datapath::NoProxy | Datapath::Reflector)
     }
 }
 
@@ -103,6 +124,13 @@ pub struct Results {
 impl Results {
     pub fn row(&self, services: usize, datapath: Datapath) -> Option<&Row> {
         self.rows.iter().find(|r| r.services == services && r.datapath == datapath)
+    }
+
+    /// Nanoseconds per packet `datapath` adds to the floor's (the
+    /// reflector's) at `services`: the node's own cost.
+    pub fn own_ns(&self, services: usize, datapath: Datapath) -> Option<f64> {
+        let (row, floor) = (self.row(services, datapath)?, self.row(services, Datapath::Reflector)?);
+        (row.mpps > 0.0 && floor.mpps > 0.0).then(|| 1e3 / row.mpps - 1e3 / floor.mpps)
     }
 }
 
@@ -188,12 +216,14 @@ impl Bench {
         let agent_flags: &[&str] = if datapath == Datapath::Xdp { &xdp_flags } else { &[] };
         let proxy = program(&node.ns, datapath.peer(), &files.manifests, &files.ipt, &files.nft, agent_flags)?;
 
-        let (dst, dport) = if datapath == Datapath::NoProxy { (endpoints[0], UDP_TARGET) } else { (NODE_IP, UDP_NODE_PORT) };
+        let (dst, dport) = if datapath.dials_endpoint() { (endpoints[0], UDP_TARGET) } else { (NODE_IP, UDP_NODE_PORT) };
         let frame = udp_frame(mac(&gen_mac)?, mac(&mac_of(&node.ns, &n0)?)?, EXTERNAL_IP, dst, dport)?;
         let mut pktgen = Pktgen::new("pps", frame, FLOWS, UDP_TARGET)?;
         pktgen.attach_sink(&lan.ns, "eth0")?;
-        if datapath != Datapath::Xdp {
-            pktgen.attach_pass(&node.ns, &n0)?;
+        match datapath {
+            Datapath::Xdp => {}
+            Datapath::Reflector => pktgen.attach_reflector(&node.ns, &n0)?,
+            _ => pktgen.attach_pass(&node.ns, &n0)?,
         }
         Ok(Bench { datapath, proxy, pktgen, lan, _node: node })
     }

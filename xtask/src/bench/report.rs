@@ -776,11 +776,18 @@ fn pps_section(md: &mut String, r: &pps::Results) {
          datapaths: ebpf-proxy with native XDP on the node's veth \
          (`--xdp-devices`; the frames XDP sends out itself are counted, and the column says so when under \
          {:.0}% of the delivered ones were), ebpf-proxy on TC only, kube-proxy's nftables and iptables \
-         rules as in the real-traffic section, and no proxy (the generator sends to an endpoint directly: \
-         plain forwarding, the ceiling of the stack path). Each datapath has its own topology; {:.1} s \
+         rules as in the real-traffic section, no proxy (the generator sends to an endpoint directly: \
+         plain forwarding, the ceiling of the stack path), and a reflector (the generator sends to an \
+         endpoint, and an XDP program on the node's veth turns every frame straight back: no forwarding \
+         at all, the floor). Each datapath has its own topology; {:.1} s \
          warm-up then a {:.1} s window, in {} rounds, each round visiting every datapath in turn; the \
          median of the rounds counts. CPU is the whole machine's busy time over the window per million \
-         delivered packets, background load included.\n",
+         delivered packets, background load included.\n\n\
+         One CPU carries each frame all the way: the generator's send runs the node's receive and the \
+         sink's (a veth runs its receiver's NAPI where the frame was sent), so a rate is of generator, \
+         node and sink in series, and the fixed share of the first and last narrows every ratio. The \
+         reflector measures that share: *own ns / packet* is a datapath's time per packet less the \
+         reflector's, what the node itself spends; the second table divides those too.\n",
         pps::FLOWS,
         pps::XDP_SHARE_MIN * 100.0,
         r.warmup.as_secs_f64(),
@@ -790,8 +797,8 @@ fn pps_section(md: &mut String, r: &pps::Results) {
     let mut header = String::from("| datapath |");
     let mut rule = String::from("|---|");
     for n in traffic::SCALES {
-        let _ = write!(header, " Mpps at {n} services | CPU s / M packets at {n} |");
-        rule.push_str("---:|---:|");
+        let _ = write!(header, " Mpps at {n} services | own ns / packet at {n} | CPU s / M packets at {n} |");
+        rule.push_str("---:|---:|---:|");
     }
     let _ = writeln!(md, "{header}\n{rule}");
     for dp in Datapath::ALL {
@@ -806,26 +813,42 @@ fn pps_section(md: &mut String, r: &pps::Results) {
                         Some(s) => format!(" ({:.0}% sent out by XDP)", s * 100.0),
                         None => String::new(),
                     };
-                    let _ = write!(line, " {:.2}{note} | {:.2} |", row.mpps, row.cpu_per_mpkt);
+                    let own = match (dp, r.own_ns(n, dp)) {
+                        (Datapath::Reflector, _) => format!("floor: {:.0} in all", 1e3 / row.mpps),
+                        (_, Some(ns)) => format!("{ns:.0}"),
+                        (_, None) => "-".to_string(),
+                    };
+                    let _ = write!(line, " {:.2}{note} | {own} | {:.2} |", row.mpps, row.cpu_per_mpkt);
                 }
-                None => line.push_str(" - | - |"),
+                None => line.push_str(" - | - | - |"),
             }
         }
         let _ = writeln!(md, "{line}");
     }
-    let _ = writeln!(md, "\n| Services | XDP / TC | XDP / iptables-nft | XDP / nftables | XDP / no proxy |\n|---:|---:|---:|---:|---:|");
+    let _ = writeln!(
+        md,
+        "\n| Services | XDP / TC | XDP / iptables-nft | XDP / nftables | XDP / no proxy | own ns: TC / XDP | own ns: \
+         iptables-nft / XDP |\n|---:|---:|---:|---:|---:|---:|---:|"
+    );
     for n in traffic::SCALES {
         let Some(xdp) = r.row(n, Datapath::Xdp) else { continue };
         // Ratios of stack-path numbers are not XDP's.
         let flag = if xdp.xdp_share.is_some_and(|s| s >= pps::XDP_SHARE_MIN) { "" } else { " (not XDP)" };
         let ratio = |dp| r.row(n, dp).map_or("-".to_string(), |o| format!("{:.2}{flag}", xdp.mpps / o.mpps));
+        // Within the floor's noise an own cost is no divisor.
+        let own_ratio = |dp| match (r.own_ns(n, dp), r.own_ns(n, Datapath::Xdp)) {
+            (Some(other), Some(x)) if x > 0.0 => format!("{:.2}{flag}", other / x),
+            _ => "-".to_string(),
+        };
         let _ = writeln!(
             md,
-            "| {n} | {} | {} | {} | {} |",
+            "| {n} | {} | {} | {} | {} | {} | {} |",
             ratio(Datapath::Tc),
             ratio(Datapath::IptablesNft),
             ratio(Datapath::Nftables),
-            ratio(Datapath::NoProxy)
+            ratio(Datapath::NoProxy),
+            own_ratio(Datapath::Tc),
+            own_ratio(Datapath::IptablesNft)
         );
     }
     let _ = writeln!(md);
@@ -887,18 +910,54 @@ mod tests {
         write(dir.path(), &Measured::default())?;
         let md = std::fs::read_to_string(dir.path().join("benchmarks.md"))?;
         assert!(!md.contains("Packets per second"), "{md}");
-        let mut r = pps::Results { rounds: 1, ..Default::default() };
-        for services in traffic::SCALES {
-            for datapath in Datapath::ALL {
-                let xdp_share = (datapath == Datapath::Xdp).then_some(0.5);
-                r.rows.push(pps::Row { services, datapath, mpps: 1.0, rounds: vec![1.0], cpu_per_mpkt: 1.0, xdp_share });
-            }
-        }
+        let r = pps_results(|_| 1.0, 0.5);
         write(dir.path(), &Measured { pps: Some(r), ..Default::default() })?;
         let md = std::fs::read_to_string(dir.path().join("benchmarks.md"))?;
         assert!(md.contains("## Packets per second through a NodePort"), "{md}");
         assert!(md.contains("| ebpf-proxy XDP | 1.00 (not really XDP: 50% sent out by XDP) |"), "{md}");
         assert_eq!(md.matches("1.00 (not XDP)").count(), traffic::SCALES.len() * 4, "{md}");
+        Ok(())
+    }
+
+    /// One row per scale and datapath, at `mpps(datapath)`; XDP sent out
+    /// `xdp_share` of its frames itself.
+    fn pps_results(mpps: impl Fn(Datapath) -> f64, xdp_share: f64) -> pps::Results {
+        let mut r = pps::Results { rounds: 1, ..Default::default() };
+        for services in traffic::SCALES {
+            for datapath in Datapath::ALL {
+                let (mpps, xdp_share) = (mpps(datapath), (datapath == Datapath::Xdp).then_some(xdp_share));
+                r.rows.push(pps::Row { services, datapath, mpps, rounds: vec![mpps], cpu_per_mpkt: 1.0, xdp_share });
+            }
+        }
+        r
+    }
+
+    /// A datapath's own cost is its time per packet less the reflector's,
+    /// and the second table divides own costs.
+    #[test]
+    fn pps_own_cost_is_time_per_packet_less_the_floors() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        // Time per packet: floor 500 ns, XDP 1000, TC 2000, the rest 2500.
+        let r = pps_results(
+            |dp| match dp {
+                Datapath::Reflector => 2.0,
+                Datapath::Xdp => 1.0,
+                Datapath::Tc => 0.5,
+                _ => 0.4,
+            },
+            1.0,
+        );
+        assert_eq!(r.own_ns(1, Datapath::Tc), Some(1500.0));
+        write(dir.path(), &Measured { pps: Some(r), ..Default::default() })?;
+        let md = std::fs::read_to_string(dir.path().join("benchmarks.md"))?;
+        for line in [
+            "| ebpf-proxy XDP | 1.00 (100% sent out by XDP) | 500 | 1.00 |",
+            "| ebpf-proxy TC | 0.50 | 1500 | 1.00 |",
+            "| reflector (floor) | 2.00 | floor: 500 in all | 1.00 |",
+            "| 1 | 2.00 | 2.50 | 2.50 | 2.50 | 3.00 | 4.00 |",
+        ] {
+            assert!(md.contains(line), "no {line:?} in\n{md}");
+        }
         Ok(())
     }
 }
