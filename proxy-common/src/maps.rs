@@ -285,6 +285,10 @@ pub struct CtEntry {
     /// REPLY: rewrite the source to `nat_addr:nat_port` (the frontend).
     pub nat_addr: Addr,
     /// REPLY of a masqueraded flow: rewrite the destination to this (the client).
+    /// ORIGINAL of a masqueraded flow: the source egress chose for it (also
+    /// in SNAT_*, by the tuple after DNAT), so XDP, which finds this entry
+    /// anyway, sends the flow out without looking the choice up; port 0:
+    /// not chosen yet.
     pub rev_addr: Addr,
     pub nat_port: u16,
     pub rev_port: u16,
@@ -416,10 +420,12 @@ pub struct TraceReport {
 
 /// What xdp_ingress leaves in a frame's metadata for TC ingress: this
 /// magic, then the skb marks TC is to set, with XDP_HANDOFF_TRANSLATED if
-/// XDP translated the frame (two native-endian u32s).
+/// XDP translated the frame (two native-endian u32s); then, for
+/// xdp_send_out, the masquerade source the flow's conntrack entry holds
+/// (IPv4 address, port in network order, 2 bytes of padding; port 0: none).
 pub const XDP_HANDOFF_MAGIC: u32 = 0xeb9f_0a0d;
 pub const XDP_HANDOFF_TRANSLATED: u32 = 1 << 31;
-pub const XDP_HANDOFF_LEN: usize = 8;
+pub const XDP_HANDOFF_LEN: usize = 16;
 
 pub const XDP_PROG_SEND_OUT: u32 = 0;
 pub const XDP_PROG_COUNT: u32 = 1;

@@ -388,6 +388,19 @@ pub fn record_snat_choice(after_dnat: &CtKey, choice: &SnatEntry) -> Result<(), 
     SNAT_UNCONFIRMED.insert(after_dnat, choice, 0)
 }
 
+/// Keeps a masqueraded flow's source in its ORIGINAL entry too (`original`:
+/// client -> frontend, translated to `backend:backend_port`), where XDP
+/// finds it with the flow's first lookup. A new entry under that key (a
+/// new flow, a new backend) starts without it.
+#[inline(always)]
+pub fn keep_snat_choice_in_flow(original: &CtKey, backend: &Addr, backend_port: u16, choice: &SnatEntry) {
+    let Some(e) = lookup_mut(original) else { return };
+    if e.direction == CT_ORIGINAL && e.flags & CT_MASQUERADE != 0 && e.nat_port == backend_port && e.nat_addr == *backend {
+        e.rev_addr = choice.addr;
+        e.rev_port = choice.port;
+    }
+}
+
 #[inline(always)]
 pub fn forget_snat_choice(after_dnat: &CtKey) {
     let _ = SNAT.remove(after_dnat);

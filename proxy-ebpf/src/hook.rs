@@ -9,6 +9,8 @@
 //! first, on the external devices, and leaves every such packet untouched
 //! to TC, which then decides it as if XDP were not there.
 
+use proxy_common::Addr;
+
 use crate::{context::PacketContext, family::Family, packet::Packet};
 
 pub trait Hook: PacketContext {
@@ -24,6 +26,11 @@ pub trait Hook: PacketContext {
     /// Marks the packet for a source rewrite once routing chose where it
     /// goes (`MASQUERADE_MARK`, `REVERSE_NAT_MARK`: see TC egress).
     fn add_mark(&self, bits: u32);
+    /// The masquerade source a flow's conntrack entry holds, for a hook
+    /// that rewrites the source itself (XDP, sending a frame out). TC
+    /// leaves that to TC egress.
+    #[inline(always)]
+    fn masquerade_source_known(&self, _addr: &Addr, _port: u16) {}
     /// The verdict for a packet translated in place (counted already).
     fn translated<F: Family>(&self) -> i32;
     /// REJECT: the packet becomes the reject and goes back (`NODE`: a node

@@ -117,7 +117,8 @@ mod program {
     /// of 584 bytes, past the kernel's 512).
     #[xdp]
     pub fn xdp_ingress(ctx: XdpContext) -> u32 {
-        if !xdp_handoff::is_ipv4(&ctx) || !xdp_handoff::reserve_handoff(&ctx) {
+        // The handoff first, for every frame: it replaces any stale one.
+        if !xdp_handoff::reserve_handoff(&ctx) || !xdp_handoff::is_ipv4(&ctx) {
             return XDP_PASS;
         }
         let verdict = ingress::<false, V4, _>(&ctx) as u32;
@@ -284,6 +285,9 @@ mod program {
                     }
                     if ct.flags & CT_MASQUERADE != 0 {
                         ctx.add_mark(MASQUERADE_MARK);
+                        if ct.rev_port != 0 {
+                            ctx.masquerade_source_known(&ct.rev_addr, ct.rev_port);
+                        }
                     }
                     let done = nat::rewrite_dst::<F>(ctx, &pkt, &ct.nat_addr, ct.nat_port);
                     return finish::<TRACE, F, H>(ctx, done, Counter::Established);

@@ -123,6 +123,10 @@ pub fn source_for<F: Family>(ctx: &impl EbpfContext, ifindex: u32, pkt: &Packet)
     if conntrack::record_snat_choice(t, &entry).is_err() {
         count(Counter::SnatFailed);
     }
+    // The flow's own entry (client -> frontend) under `key`, whose stack
+    // slot is free now: the stack has no room for another key.
+    key = CtKey { dst: frontend, dport: frontend_port, ..*t };
+    conntrack::keep_snat_choice_in_flow(&key, &t.dst, t.dport, &entry);
     Some((addr, port))
 }
 

@@ -19,7 +19,7 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 
-use proxy_common::{XDP_HANDOFF_LEN, XDP_HANDOFF_MAGIC, XDP_HANDOFF_TRANSLATED, XDP_PROG_SEND_OUT};
+use proxy_common::{Addr, XDP_HANDOFF_LEN, XDP_HANDOFF_MAGIC, XDP_HANDOFF_TRANSLATED, XDP_PROG_SEND_OUT};
 
 use crate::{family::Family, headers::ETH_P_IP, hook::Hook, maps::XDP_PROGRAMS, packet::Packet};
 
@@ -34,20 +34,68 @@ struct Handoff {
     marks: u32,
 }
 
+/// After the handoff, for xdp_send_out: the masquerade source of the
+/// frame's flow, as xdp_ingress found it in the flow's conntrack entry, so
+/// that sending the frame out takes no SNAT lookup (two hash-table walks,
+/// in tables too large for the cache).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MasqueradeSource {
+    addr: [u8; 4],
+    /// Network order; 0: none (xdp_send_out looks the choice up).
+    port: u16,
+    _pad: u16,
+}
+
 const MAGIC: u32 = XDP_HANDOFF_MAGIC;
 /// XDP translated the frame: TC sets the marks and decides nothing.
 const TRANSLATED: u32 = XDP_HANDOFF_TRANSLATED;
 const HANDOFF_LEN: usize = XDP_HANDOFF_LEN;
-const _: () = assert!(core::mem::size_of::<Handoff>() == HANDOFF_LEN);
+const SOURCE_OFF: usize = core::mem::size_of::<Handoff>();
+const _: () = assert!(SOURCE_OFF + core::mem::size_of::<MasqueradeSource>() == HANDOFF_LEN);
 
-/// Puts an empty handoff in front of the frame. False if the driver has no
-/// room for metadata: XDP must then leave every frame to TC.
+/// Puts an empty handoff in front of the frame, as its whole metadata.
+/// False if the driver has no room for metadata: XDP must then leave every
+/// frame to TC.
+///
+/// A frame may arrive with metadata already, even with a handoff of ours
+/// in it: veth carries a frame's metadata along, and a frame this program
+/// sent out can come back in (BPF_PROG_TEST_RUN's live frames do, their
+/// pages recycled with it). Another handoff stacked in front would soon
+/// pass the kernel's 32 bytes, and the stale one would then reach TC, which
+/// would take the frame for translated. So the metadata is cut or grown to
+/// exactly one handoff, and a stale magic that cannot be replaced is wiped.
 #[inline(always)]
 pub fn reserve_handoff(ctx: &XdpContext) -> bool {
-    if unsafe { bpf_xdp_adjust_meta(ctx.ctx, -(HANDOFF_LEN as i32)) } != 0 {
+    let held = ctx.data() as i64 - ctx.metadata() as i64;
+    if unsafe { bpf_xdp_adjust_meta(ctx.ctx, (held - HANDOFF_LEN as i64) as i32) } != 0 {
+        update(ctx, |h| h.magic = 0);
         return false;
     }
-    update(ctx, |h| *h = Handoff { magic: MAGIC, marks: 0 })
+    set_masquerade_source(ctx, MasqueradeSource { addr: [0; 4], port: 0, _pad: 0 })
+        && update(ctx, |h| *h = Handoff { magic: MAGIC, marks: 0 })
+}
+
+#[inline(always)]
+fn set_masquerade_source(ctx: &XdpContext, source: MasqueradeSource) -> bool {
+    let meta = ctx.metadata();
+    if meta + HANDOFF_LEN > ctx.data() {
+        return false;
+    }
+    unsafe { core::ptr::write_unaligned((meta + SOURCE_OFF) as *mut MasqueradeSource, source) };
+    true
+}
+
+/// The masquerade source xdp_ingress found for the frame's flow, if any
+/// (an IPv4 address: XDP translates IPv4 only).
+#[inline(always)]
+pub fn masquerade_source(ctx: &XdpContext) -> Option<(Addr, u16)> {
+    let meta = ctx.metadata();
+    if meta + HANDOFF_LEN > ctx.data() {
+        return None;
+    }
+    let s = unsafe { core::ptr::read_unaligned((meta + SOURCE_OFF) as *const MasqueradeSource) };
+    (s.port != 0).then(|| (Addr::from_v4_octets(s.addr), s.port))
 }
 
 #[inline(always)]
@@ -106,6 +154,13 @@ impl Hook for XdpContext {
     #[inline(always)]
     fn add_mark(&self, bits: u32) {
         update(self, |h| h.marks |= bits);
+    }
+
+    /// For xdp_send_out, in the handoff. Only IPv4 flows reach XDP's
+    /// decisions, so the address is an IPv4 one.
+    #[inline(always)]
+    fn masquerade_source_known(&self, addr: &Addr, port: u16) {
+        set_masquerade_source(self, MasqueradeSource { addr: addr.v4_octets(), port, _pad: 0 });
     }
 
     /// Out by `xdp_send_out` if it can; else up the stack, which routes

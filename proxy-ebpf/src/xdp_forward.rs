@@ -69,8 +69,18 @@ fn forward(ctx: &XdpContext) -> Result<u32, Stack> {
     // Only out of an interface XDP runs on: counted there.
     let sent = XDP_DEVICES.get_ptr_mut(&out).ok_or(Stack)?;
     if marks & MASQUERADE_MARK != 0 {
-        let (addr, port) = masquerade::source_for::<V4>(ctx, out, &pkt).ok_or(Stack)?;
-        if nat::rewrite_src_tcp_udp::<V4>(ctx, &pkt, &addr, port).is_err() {
+        // The source xdp_ingress found in the flow's entry; else, and for a
+        // FIN or RST (which closes the SNAT port too), masquerade's lookup.
+        // (A rewrite in each arm: one (address, port) beside the other
+        // would pass the stack's 512 bytes.)
+        let rewritten = match xdp::masquerade_source(ctx) {
+            Some((addr, port)) if !pkt.closes_connection() => nat::rewrite_src_tcp_udp::<V4>(ctx, &pkt, &addr, port),
+            _ => {
+                let (addr, port) = masquerade::source_for::<V4>(ctx, out, &pkt).ok_or(Stack)?;
+                nat::rewrite_src_tcp_udp::<V4>(ctx, &pkt, &addr, port)
+            }
+        };
+        if rewritten.is_err() {
             // Half rewritten: nothing can send it on.
             count(Counter::RewriteFailed);
             return Ok(xdp_action::XDP_DROP);

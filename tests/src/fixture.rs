@@ -75,10 +75,22 @@ impl Fixture {
 
     /// One BPF_PROG_TEST_RUN of `xdp_ingress`.
     pub fn run_xdp(&self, input: &[u8]) -> Result<XdpRun, ProgramError> {
+        self.run_xdp_with_metadata(&[], input)
+    }
+
+    /// As `run_xdp`, the frame arriving with `metadata` in front of it
+    /// (Linux 5.13 on: earlier test runs refuse an XDP context, EINVAL).
+    pub fn run_xdp_with_metadata(&self, metadata: &[u8], input: &[u8]) -> Result<XdpRun, ProgramError> {
         let prog: &Xdp = self.ebpf.program(XDP_INGRESS).unwrap().try_into().unwrap();
         let mut frame = vec![0u8; input.len() + 256];
         let before = self.counters()[Counter::XdpFinished as usize];
-        let res = prog.test_run(TestRunOptions { data_in: Some(input), data_out: Some(&mut frame), ..TestRunOptions::new() })?;
+        let data_in = [metadata, input].concat();
+        // struct xdp_md: `data` is where the frame starts after the metadata.
+        let mut md = [0u8; 24];
+        md[0..4].copy_from_slice(&(metadata.len() as u32).to_ne_bytes());
+        md[4..8].copy_from_slice(&(data_in.len() as u32).to_ne_bytes());
+        let ctx_in = (!metadata.is_empty()).then_some(&md[..]);
+        let res = prog.test_run(TestRunOptions { data_in: Some(&data_in), ctx_in, data_out: Some(&mut frame), ..TestRunOptions::new() })?;
         let finished = self.counters()[Counter::XdpFinished as usize] > before;
         frame.truncate(res.data_size_out as usize);
         // Newer kernels hand back the metadata in front of the frame; 5.10's

@@ -113,6 +113,13 @@ pub struct Row {
     pub xdp_share: Option<f64>,
 }
 
+impl Row {
+    /// Nanoseconds per delivered packet.
+    pub fn ns_per_packet(&self) -> f64 {
+        1e3 / self.mpps
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct Results {
     pub rows: Vec<Row>,
@@ -130,7 +137,7 @@ impl Results {
     /// reflector's) at `services`: the node's own cost.
     pub fn own_ns(&self, services: usize, datapath: Datapath) -> Option<f64> {
         let (row, floor) = (self.row(services, datapath)?, self.row(services, Datapath::Reflector)?);
-        (row.mpps > 0.0 && floor.mpps > 0.0).then(|| 1e3 / row.mpps - 1e3 / floor.mpps)
+        (row.mpps > 0.0 && floor.mpps > 0.0).then(|| row.ns_per_packet() - floor.ns_per_packet())
     }
 }
 

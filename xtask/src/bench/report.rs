@@ -152,15 +152,11 @@ fn targets(md: &mut String, m: &Measured) {
                 .fold(0.0, f64::max);
             (steady, own)
         };
-        let per_proto = micro::PROTOCOLS
-            .map(micro::proto_name)
-            .map(|proto| {
-                let (steady, own) = worst(proto);
-                format!("{proto} {steady:.0} ns (own {own:.0})")
-            })
-            .join(", ");
-        let tcp_udp_own = worst("TCP").1.max(worst("UDP").1);
-        let sctp_own = worst("SCTP").1;
+        let worst_by_proto = micro::PROTOCOLS.map(micro::proto_name).map(|proto| (proto, worst(proto)));
+        let per_proto = worst_by_proto.map(|(proto, (steady, own))| format!("{proto} {steady:.0} ns (own {own:.0})")).join(", ");
+        let own_of = |p: &str| worst_by_proto.iter().find(|(proto, _)| *proto == p).map_or(0.0, |(_, (_, own))| *own);
+        let tcp_udp_own = own_of("TCP").max(own_of("UDP"));
+        let sctp_own = own_of("SCTP");
         let steady_floor = r.steady_floor_ns.iter().map(|f| f.1).fold(0.0, f64::max);
         let cold = r.rows.iter().filter(|x| x.flow == Flow::Established).map(|x| x.median_ns).fold(0.0, f64::max);
         let floor = r.floor_ns.iter().map(|f| f.1).fold(0.0, f64::max);
@@ -787,7 +783,12 @@ fn pps_section(md: &mut String, r: &pps::Results) {
          sink's (a veth runs its receiver's NAPI where the frame was sent), so a rate is of generator, \
          node and sink in series, and the fixed share of the first and last narrows every ratio. The \
          reflector measures that share: *own ns / packet* is a datapath's time per packet less the \
-         reflector's, what the node itself spends; the second table divides those too.\n",
+         reflector's, what the node itself spends; the second table divides those too.\n\n\
+         The flows get no replies, so ebpf-proxy keeps them unconfirmed (see docs/semantics.md): each \
+         packet misses the confirmed conntrack table before it finds its flow in the unconfirmed one, \
+         where an answered flow's packets take one lookup. On this VM each walk of a large hash table \
+         costs cache and TLB misses, and in a profile of XDP (`perf record -a -g`) those two walks are \
+         about 40% of the node's own time.\n",
         pps::FLOWS,
         pps::XDP_SHARE_MIN * 100.0,
         r.warmup.as_secs_f64(),
@@ -814,7 +815,7 @@ fn pps_section(md: &mut String, r: &pps::Results) {
                         None => String::new(),
                     };
                     let own = match (dp, r.own_ns(n, dp)) {
-                        (Datapath::Reflector, _) => format!("floor: {:.0} in all", 1e3 / row.mpps),
+                        (Datapath::Reflector, _) => format!("floor: {:.0} in all", row.ns_per_packet()),
                         (_, Some(ns)) => format!("{ns:.0}"),
                         (_, None) => "-".to_string(),
                     };
