@@ -72,6 +72,11 @@ pub struct ConntrackRow {
     /// REPLY of a masqueraded flow: the client the reply is sent back to.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client: Option<String>,
+    /// ORIGINAL of a masqueraded flow: the node's address and port it leaves
+    /// with, once its first packet went out (the same as its REPLY entry's
+    /// destination).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub masquerade_source: Option<String>,
     pub service: String,
     pub age_seconds: f64,
     pub idle_seconds: f64,
@@ -208,6 +213,9 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
             translated_to: endpoint(v.nat_addr, v.nat_port),
             masquerade: v.flags & CT_MASQUERADE != 0,
             client: (v.direction == CT_REPLY && v.flags & CT_MASQUERADE != 0).then(|| endpoint(v.rev_addr, v.rev_port)),
+            // Port 0: masquerade has not chosen the flow's source yet.
+            masquerade_source: (v.direction != CT_REPLY && v.flags & CT_MASQUERADE != 0 && v.rev_port != 0)
+                .then(|| endpoint(v.rev_addr, v.rev_port)),
             service: names.get(&v.service_id).map_or_else(|| format!("<id {}>", v.service_id), |n| n.0.clone()),
             age_seconds: (secs(v.created_ns) * 10.0).round() / 10.0,
             idle_seconds: (secs(v.last_seen_ns) * 10.0).round() / 10.0,
@@ -285,9 +293,10 @@ pub fn print(what: crate::cli::DumpWhat, output: Output, root: &Path) -> Result<
             let summary = masquerade_summary(&rows, &maps.read_counters()?);
             let header = ["SERVICE", "DIR", "STATE", "PROTO", "SOURCE", "DESTINATION", "TRANSLATED TO", "MASQ", "AGE", "IDLE"];
             let t = table(&header, rows.into_iter().map(|r| {
-                let translated = match &r.client {
-                    Some(client) => format!("{}\nto client {client}", r.translated_to),
-                    None => r.translated_to,
+                let translated = match (&r.client, &r.masquerade_source) {
+                    (Some(client), _) => format!("{}\nto client {client}", r.translated_to),
+                    (None, Some(source)) => format!("{}\nfrom {source}", r.translated_to),
+                    (None, None) => r.translated_to,
                 };
                 vec![
                     r.service,

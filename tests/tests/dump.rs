@@ -292,9 +292,14 @@ fn dump_shows_names_states_and_flows_with_the_agent_running_and_stopped() -> Res
         .with_context(|| format!("no masqueraded reply entry back to {} in {flows:#}", original["source"]))?;
     assert_eq!(reply["masquerade"], true, "{reply}");
     assert_eq!(reply["translated_to"], format!("{NODE_IP}:30080"), "{reply}");
+    // The source masquerade chose, kept in the flow's own entry too (XDP
+    // reads it there): the address the reply comes back to.
+    let source = original["masquerade_source"].as_str().with_context(|| format!("no masquerade source: {original}"))?;
+    assert_eq!(json!(source), reply["destination"], "{original}\n{reply}");
+    assert!(source.starts_with(&format!("{NODE_IP}:")), "{original}");
 
     let table = dump_ok(&["conntrack"], &root)?;
-    for cell in ["AGE", "IDLE", "MASQ", "STATE", "confirmed", "demo/web:http", "demo/web:dns", "original", "reply", &format!("{CLIENT}:"), "to client", "yes"] {
+    for cell in ["AGE", "IDLE", "MASQ", "STATE", "confirmed", "demo/web:http", "demo/web:dns", "original", "reply", &format!("{CLIENT}:"), "to client", &format!("from {source}"), "yes"] {
         assert!(table.contains(cell), "no `{cell}` in the conntrack table:\n{table}");
     }
     // Masquerade's ports: the NodePort flow's.
