@@ -76,12 +76,19 @@ pub fn reserve_handoff(ctx: &XdpContext) -> bool {
         && update(ctx, |h| *h = Handoff { magic: MAGIC, marks: 0 })
 }
 
+/// Where the frame's handoff starts, if its metadata holds a whole one (the
+/// verifier wants that bound checked before each access).
+#[inline(always)]
+fn handoff_start(ctx: &XdpContext) -> Option<usize> {
+    let meta = ctx.metadata();
+    (meta + HANDOFF_LEN <= ctx.data()).then_some(meta)
+}
+
 #[inline(always)]
 fn set_masquerade_source(ctx: &XdpContext, source: MasqueradeSource) -> bool {
-    let meta = ctx.metadata();
-    if meta + HANDOFF_LEN > ctx.data() {
+    let Some(meta) = handoff_start(ctx) else {
         return false;
-    }
+    };
     unsafe { core::ptr::write_unaligned((meta + SOURCE_OFF) as *mut MasqueradeSource, source) };
     true
 }
@@ -90,20 +97,16 @@ fn set_masquerade_source(ctx: &XdpContext, source: MasqueradeSource) -> bool {
 /// (an IPv4 address: XDP translates IPv4 only).
 #[inline(always)]
 pub fn masquerade_source(ctx: &XdpContext) -> Option<(Addr, u16)> {
-    let meta = ctx.metadata();
-    if meta + HANDOFF_LEN > ctx.data() {
-        return None;
-    }
+    let meta = handoff_start(ctx)?;
     let s = unsafe { core::ptr::read_unaligned((meta + SOURCE_OFF) as *const MasqueradeSource) };
     (s.port != 0).then(|| (Addr::from_v4_octets(s.addr), s.port))
 }
 
 #[inline(always)]
 fn update(ctx: &XdpContext, change: impl FnOnce(&mut Handoff)) -> bool {
-    let meta = ctx.metadata();
-    if meta + HANDOFF_LEN > ctx.data() {
+    let Some(meta) = handoff_start(ctx) else {
         return false;
-    }
+    };
     let mut h = unsafe { core::ptr::read_unaligned(meta as *const Handoff) };
     change(&mut h);
     unsafe { core::ptr::write_unaligned(meta as *mut Handoff, h) };

@@ -152,11 +152,15 @@ fn targets(md: &mut String, m: &Measured) {
                 .fold(0.0, f64::max);
             (steady, own)
         };
-        let worst_by_proto = micro::PROTOCOLS.map(micro::proto_name).map(|proto| (proto, worst(proto)));
-        let per_proto = worst_by_proto.map(|(proto, (steady, own))| format!("{proto} {steady:.0} ns (own {own:.0})")).join(", ");
-        let own_of = |p: &str| worst_by_proto.iter().find(|(proto, _)| *proto == p).map_or(0.0, |(_, (_, own))| *own);
-        let tcp_udp_own = own_of("TCP").max(own_of("UDP"));
-        let sctp_own = own_of("SCTP");
+        let per_proto = micro::PROTOCOLS
+            .map(micro::proto_name)
+            .map(|proto| {
+                let (steady, own) = worst(proto);
+                format!("{proto} {steady:.0} ns (own {own:.0})")
+            })
+            .join(", ");
+        let tcp_udp_own = worst("TCP").1.max(worst("UDP").1);
+        let sctp_own = worst("SCTP").1;
         let steady_floor = r.steady_floor_ns.iter().map(|f| f.1).fold(0.0, f64::max);
         let cold = r.rows.iter().filter(|x| x.flow == Flow::Established).map(|x| x.median_ns).fold(0.0, f64::max);
         let floor = r.floor_ns.iter().map(|f| f.1).fold(0.0, f64::max);
