@@ -1,8 +1,9 @@
 //! Running cargo and finding what it built.
 
 use std::{
+    io::{Read, Write},
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Stdio},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -21,13 +22,84 @@ pub fn cargo() -> Command {
     cmd
 }
 
-/// Runs `cmd` and fails unless it exits successfully.
+/// Runs `cmd` (a cargo command) and fails unless it exits successfully.
+/// Its stderr passes through as it comes; a failure's message repeats
+/// cargo's own `error` lines, and the free space where it builds, so that
+/// the one line a CI log ends with names the cause.
 pub fn run(mut cmd: Command) -> Result<()> {
-    let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    let mut child = cmd.stderr(Stdio::piped()).spawn().with_context(|| format!("running {cmd:?}"))?;
+    let mut errors = Vec::new();
+    tee_lines(child.stderr.take().expect("piped"), std::io::stderr(), |line| {
+        let plain = strip_ansi(line);
+        if errors.len() < MAX_ERRORS_REPEATED && (plain.starts_with("error") || plain.contains("= note:")) {
+            errors.push(plain.chars().take(300).collect::<String>());
+        }
+    })?;
+    let status = child.wait()?;
     if !status.success() {
-        bail!("{cmd:?} failed ({status})");
+        bail!(
+            "{cmd:?} failed ({status}); free on the target disk: {}; its errors: {}",
+            free_space(&workspace_root().join("target")),
+            if errors.is_empty() { "none printed".to_string() } else { errors.join(" | ") },
+        );
     }
     Ok(())
+}
+
+/// Enough of cargo's error lines to name a cause, not a page of them.
+const MAX_ERRORS_REPEATED: usize = 12;
+
+/// Copies `input` to `output` as it arrives and hands each line to `f`.
+pub fn tee_lines(mut input: impl Read, mut output: impl Write, mut f: impl FnMut(&str)) -> Result<()> {
+    let (mut buf, mut line) = ([0u8; 8192], Vec::new());
+    loop {
+        let n = input.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        output.write_all(&buf[..n])?;
+        output.flush()?;
+        for &b in &buf[..n] {
+            if b == b'\n' {
+                f(&String::from_utf8_lossy(&line));
+                line.clear();
+            } else {
+                line.push(b);
+            }
+        }
+    }
+    f(&String::from_utf8_lossy(&line));
+    Ok(())
+}
+
+/// `line` without terminal colour codes (cargo colours when it sees a
+/// terminal, or when told to).
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            // ESC [ parameters final-letter
+            chars.by_ref().find(|c| c.is_ascii_alphabetic());
+        } else {
+            out.push(c);
+        }
+    }
+    out.trim().to_string()
+}
+
+/// What `df` says is free on `dir`'s filesystem (or its parent's, before
+/// the first build made it), for a failed build's message.
+fn free_space(dir: &Path) -> String {
+    let dir = if dir.exists() { dir } else { workspace_root() };
+    Command::new("df")
+        .args(["--output=avail", "-h"])
+        .arg(dir)
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.lines().nth(1).map(|l| l.trim().to_string()))
+        .unwrap_or_else(|| "unknown".to_string())
 }
 
 /// Absolute path of the `ebpf-proxy` binary of a debug or release build.

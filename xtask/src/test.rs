@@ -3,14 +3,13 @@
 //! `cargo test --workspace --no-fail-fast`, and ends with one summary line.
 
 use std::{
-    io::Write as _,
     os::unix::fs::MetadataExt as _,
     process::{ExitCode, Stdio},
 };
 
 use anyhow::{Context as _, Result};
 
-use crate::cargo::{agent_bin, cargo, existing, run as run_cmd};
+use crate::cargo::{agent_bin, cargo, existing, run as run_cmd, tee_lines};
 
 #[derive(clap::Args)]
 pub struct Options {
@@ -55,7 +54,7 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
 
     let mut child = cmd.spawn().with_context(|| format!("running {cmd:?}"))?;
     let mut summary = Summary::default();
-    tee_lines(child.stdout.take().unwrap(), |line| summary.add(line))?;
+    tee_lines(child.stdout.take().unwrap(), std::io::stdout(), |line| summary.add(line))?;
     let status = child.wait()?;
 
     let ok = status.success() && summary.failed == 0;
@@ -67,30 +66,6 @@ pub fn run(opts: &Options) -> Result<ExitCode> {
     // The closing line CI reads: "N passed, N failed, N skipped".
     println!("summary: {} passed, {} failed, {} skipped", summary.passed, summary.failed, summary.ignored);
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
-}
-
-/// Copies `input` to our stdout as it arrives and hands each line to `f`.
-fn tee_lines(mut input: impl std::io::Read, mut f: impl FnMut(&str)) -> Result<()> {
-    let mut stdout = std::io::stdout();
-    let (mut buf, mut line) = ([0u8; 8192], Vec::new());
-    loop {
-        let n = input.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        stdout.write_all(&buf[..n])?;
-        stdout.flush()?;
-        for &b in &buf[..n] {
-            if b == b'\n' {
-                f(&String::from_utf8_lossy(&line));
-                line.clear();
-            } else {
-                line.push(b);
-            }
-        }
-    }
-    f(&String::from_utf8_lossy(&line));
-    Ok(())
 }
 
 /// Totals over libtest's "test result: ok. 3 passed; 0 failed; 1 ignored; ..." lines.
