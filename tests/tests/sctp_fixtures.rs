@@ -235,6 +235,17 @@ fn sctp_untouched_fixtures() {
     assert_eq!(flows, 0, "untouched frames created {flows} conntrack entries");
 }
 
+/// `cargo bench --bench sctp_test_run`'s own path, briefly, so that the
+/// benchmark cannot rot unseen (it once timed only refusals: its DATA
+/// opened no association). Its timings are not looked at; `measure`
+/// checks every verdict and that each run took the established path.
+#[test]
+#[ignore = "needs root (BPF)"]
+fn sctp_benchmark_times_established_associations() {
+    let rows = proxy_tests::sctp_bench::measure(10).unwrap();
+    assert_eq!(rows.len(), 4, "one row per case");
+}
+
 // ---------------------------------------------------------------- maps
 
 fn install_services(m: &mut Maps) -> anyhow::Result<()> {
