@@ -139,6 +139,14 @@ impl Results {
         let (row, floor) = (self.row(services, datapath)?, self.row(services, Datapath::Reflector)?);
         (row.mpps > 0.0 && floor.mpps > 0.0).then(|| row.ns_per_packet() - floor.ns_per_packet())
     }
+
+    /// The highest rate XDP could reach over `datapath` at `services` if
+    /// XDP itself cost nothing: `datapath`'s time per packet over the
+    /// floor's, which every rate here includes.
+    pub fn ceiling_over(&self, services: usize, datapath: Datapath) -> Option<f64> {
+        let (row, floor) = (self.row(services, datapath)?, self.row(services, Datapath::Reflector)?);
+        (row.mpps > 0.0).then(|| floor.mpps / row.mpps)
+    }
 }
 
 /// One window's figures.
