@@ -28,26 +28,43 @@ pub fn cargo() -> Command {
 /// the one line a CI log ends with names the cause.
 pub fn run(mut cmd: Command) -> Result<()> {
     let mut child = cmd.stderr(Stdio::piped()).spawn().with_context(|| format!("running {cmd:?}"))?;
-    let mut errors = Vec::new();
-    tee_lines(child.stderr.take().expect("piped"), std::io::stderr(), |line| {
-        let plain = strip_ansi(line);
-        if errors.len() < MAX_ERRORS_REPEATED && (plain.starts_with("error") || plain.contains("= note:")) {
-            errors.push(plain.chars().take(300).collect::<String>());
-        }
-    })?;
+    let mut errors = ErrorLines::default();
+    tee_lines(child.stderr.take().expect("piped"), std::io::stderr(), |line| errors.add(line))?;
     let status = child.wait()?;
     if !status.success() {
         bail!(
             "{cmd:?} failed ({status}); free on the target disk: {}; its errors: {}",
             free_space(&workspace_root().join("target")),
-            if errors.is_empty() { "none printed".to_string() } else { errors.join(" | ") },
+            if errors.lines.is_empty() { "none printed".to_string() } else { errors.lines.join(" | ") },
         );
     }
     Ok(())
 }
 
-/// Enough of cargo's error lines to name a cause, not a page of them.
-const MAX_ERRORS_REPEATED: usize = 12;
+/// Cargo's `error` lines and the notes under them (a linker's reason
+/// comes as a note), not its warnings': enough to name a cause, not a page.
+#[derive(Default)]
+struct ErrorLines {
+    lines: Vec<String>,
+    in_error: bool,
+}
+
+impl ErrorLines {
+    const MAX: usize = 12;
+
+    fn add(&mut self, line: &str) {
+        let plain = strip_ansi(line);
+        if plain.starts_with("error") {
+            self.in_error = true;
+        } else if plain.starts_with("warning") {
+            self.in_error = false;
+        }
+        let wanted = plain.starts_with("error") || (self.in_error && plain.starts_with("= note:"));
+        if wanted && self.lines.len() < Self::MAX {
+            self.lines.push(plain.chars().take(300).collect());
+        }
+    }
+}
 
 /// Copies `input` to `output` as it arrives and hands each line to `f`.
 pub fn tee_lines(mut input: impl Read, mut output: impl Write, mut f: impl FnMut(&str)) -> Result<()> {
@@ -132,4 +149,35 @@ pub fn existing(path: PathBuf) -> Result<PathBuf> {
         bail!("{} not found after the build", path.display());
     }
     Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Errors and their notes are kept, colours taken off; warnings and
+    /// their notes are not.
+    #[test]
+    fn error_lines_keep_errors_and_their_notes_only() {
+        let mut e = ErrorLines::default();
+        for line in [
+            "\x1b[1m\x1b[33mwarning\x1b[0m: unused variable",
+            "  = note: `#[warn(unused_variables)]` on by default",
+            "   Compiling proxy-user v0.1.0",
+            "\x1b[1m\x1b[31merror\x1b[0m: linking with `cc` failed: exit status: 1",
+            "  |",
+            "  = note: /usr/bin/ld: final link failed: No space left on device",
+            "error: could not compile `proxy-user` (bin \"ebpf-proxy\") due to 1 previous error",
+        ] {
+            e.add(line);
+        }
+        assert_eq!(
+            e.lines,
+            [
+                "error: linking with `cc` failed: exit status: 1",
+                "= note: /usr/bin/ld: final link failed: No space left on device",
+                "error: could not compile `proxy-user` (bin \"ebpf-proxy\") due to 1 previous error",
+            ]
+        );
+    }
 }
