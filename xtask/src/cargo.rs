@@ -53,13 +53,17 @@ impl ErrorLines {
     const MAX: usize = 12;
 
     fn add(&mut self, line: &str) {
-        let plain = strip_ansi(line);
-        if plain.starts_with("error") {
+        // Without colour codes (cargo colours when it sees a terminal, or
+        // when told to).
+        let plain = anstream::adapter::strip_str(line).to_string();
+        let plain = plain.trim();
+        let is_error = plain.starts_with("error");
+        if is_error {
             self.in_error = true;
         } else if plain.starts_with("warning") {
             self.in_error = false;
         }
-        let wanted = plain.starts_with("error") || (self.in_error && plain.starts_with("= note:"));
+        let wanted = is_error || (self.in_error && plain.starts_with("= note:"));
         if wanted && self.lines.len() < Self::MAX {
             self.lines.push(plain.chars().take(300).collect());
         }
@@ -87,22 +91,6 @@ pub fn tee_lines(mut input: impl Read, mut output: impl Write, mut f: impl FnMut
     }
     f(&String::from_utf8_lossy(&line));
     Ok(())
-}
-
-/// `line` without terminal colour codes (cargo colours when it sees a
-/// terminal, or when told to).
-fn strip_ansi(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\x1b' {
-            // ESC [ parameters final-letter
-            chars.by_ref().find(|c| c.is_ascii_alphabetic());
-        } else {
-            out.push(c);
-        }
-    }
-    out.trim().to_string()
 }
 
 /// What `df` says is free on `dir`'s filesystem (or its parent's, before
