@@ -118,6 +118,12 @@ impl Row {
     pub fn ns_per_packet(&self) -> f64 {
         1e3 / self.mpps
     }
+
+    /// XDP sent out most of the frames delivered itself (else its figures
+    /// are the stack path's).
+    pub fn sent_out_by_xdp(&self) -> bool {
+        self.xdp_share.is_some_and(|s| s >= XDP_SHARE_MIN)
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -138,6 +144,13 @@ impl Results {
     pub fn own_ns(&self, services: usize, datapath: Datapath) -> Option<f64> {
         let (row, floor) = (self.row(services, datapath)?, self.row(services, Datapath::Reflector)?);
         (row.mpps > 0.0 && floor.mpps > 0.0).then(|| row.ns_per_packet() - floor.ns_per_packet())
+    }
+
+    /// `datapath`'s own cost over XDP's at `services` (none while XDP's is
+    /// within the floor's noise: no divisor).
+    pub fn own_ratio(&self, services: usize, datapath: Datapath) -> Option<f64> {
+        let (other, xdp) = (self.own_ns(services, datapath)?, self.own_ns(services, Datapath::Xdp)?);
+        (xdp > 0.0).then(|| other / xdp)
     }
 
     /// The highest rate XDP could reach over `datapath` at `services` if

@@ -395,13 +395,10 @@ fn pps_targets(t: &mut Vec<Target>, r: &pps::Results) {
         let mut met = true;
         for n in traffic::SCALES {
             let (Some(xdp), Some(o)) = (r.row(n, Datapath::Xdp), r.row(n, other)) else { continue };
-            let is_xdp = xdp.xdp_share.is_some_and(|s| s >= pps::XDP_SHARE_MIN);
+            let is_xdp = xdp.sent_out_by_xdp();
             let ratio = xdp.mpps / o.mpps;
             met &= is_xdp && ratio >= goal;
-            let own = match (r.own_ns(n, other), r.own_ns(n, Datapath::Xdp)) {
-                (Some(o), Some(x)) if x > 0.0 => format!("{:.2}x", o / x),
-                _ => "-".to_string(),
-            };
+            let own = r.own_ratio(n, other).map_or("-".to_string(), |x| format!("{x:.2}x"));
             let ceiling = r.ceiling_over(n, other).map_or("-".to_string(), |c| format!("{c:.2}x"));
             parts.push(format!(
                 "{n} services: {ratio:.2}x{} (own cost {own}; at most {ceiling} here, were XDP free)",
@@ -890,13 +887,9 @@ fn pps_section(md: &mut String, r: &pps::Results) {
     for n in traffic::SCALES {
         let Some(xdp) = r.row(n, Datapath::Xdp) else { continue };
         // Ratios of stack-path numbers are not XDP's.
-        let flag = if xdp.xdp_share.is_some_and(|s| s >= pps::XDP_SHARE_MIN) { "" } else { " (not XDP)" };
+        let flag = if xdp.sent_out_by_xdp() { "" } else { " (not XDP)" };
         let ratio = |dp| r.row(n, dp).map_or("-".to_string(), |o| format!("{:.2}{flag}", xdp.mpps / o.mpps));
-        // Within the floor's noise an own cost is no divisor.
-        let own_ratio = |dp| match (r.own_ns(n, dp), r.own_ns(n, Datapath::Xdp)) {
-            (Some(other), Some(x)) if x > 0.0 => format!("{:.2}{flag}", other / x),
-            _ => "-".to_string(),
-        };
+        let own_ratio = |dp| r.own_ratio(n, dp).map_or("-".to_string(), |x| format!("{x:.2}{flag}"));
         let _ = writeln!(
             md,
             "| {n} | {} | {} | {} | {} | {} | {} |",
