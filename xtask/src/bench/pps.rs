@@ -153,6 +153,16 @@ impl Results {
         (xdp > 0.0).then(|| other / xdp)
     }
 
+    /// The lowest and highest of XDP's rate over `datapath`'s within one
+    /// round (each round visits every datapath), at `services`: how far
+    /// the host's noise moves the ratio.
+    pub fn round_ratio_range(&self, services: usize, datapath: Datapath) -> Option<(f64, f64)> {
+        let (xdp, other) = (self.row(services, Datapath::Xdp)?, self.row(services, datapath)?);
+        let ratios: Vec<f64> = xdp.rounds.iter().zip(&other.rounds).filter(|(_, o)| **o > 0.0).map(|(x, o)| x / o).collect();
+        let lo = ratios.iter().cloned().reduce(f64::min)?;
+        Some((lo, ratios.iter().cloned().fold(lo, f64::max)))
+    }
+
     /// The highest rate XDP could reach over `datapath` at `services` if
     /// XDP itself cost nothing: `datapath`'s time per packet over the
     /// floor's, which every rate here includes.
