@@ -17,9 +17,12 @@
 //! runs its receiver's NAPI where the frame was sent, so one CPU carries
 //! generator, node and sink in series. The floor is what the generator,
 //! the veth's two crossings and the sink cost; a datapath's time per packet
-//! less the floor's is its own.
+//! less the floor's is its own. For ebpf-proxy's datapaths one more window,
+//! with the kernel's run-time statistics on, splits that own cost into its
+//! programs' run time and the kernel's path around them.
 
 use std::{
+    collections::BTreeMap,
     net::Ipv4Addr,
     path::Path,
     sync::atomic::{AtomicBool, Ordering},
@@ -111,6 +114,9 @@ pub struct Row {
     pub cpu_per_mpkt: f64,
     /// XDP only: the share of delivered frames XDP sent out itself (median).
     pub xdp_share: Option<f64>,
+    /// ebpf-proxy only: each of its programs that ran, with its run time
+    /// per delivered packet (ns), from a window of its own (`program_time`).
+    pub programs: Vec<(String, f64)>,
 }
 
 impl Row {
@@ -179,6 +185,44 @@ struct Sample {
     xdp_share: Option<f64>,
 }
 
+/// ebpf-proxy's programs: the ones the agent attaches (tail-called ones
+/// run inside them, and the kernel counts their time there). The bench's
+/// generator, sink and pass programs are `xdp_pkt*` and `xdp_pass`.
+fn is_ours(program: &str) -> bool {
+    program.starts_with("tc_") || program == "xdp_ingress"
+}
+
+/// Run count and total run time of each of ebpf-proxy's loaded programs,
+/// by id (the kernel keeps them while run-time statistics are on).
+fn program_runs() -> Result<BTreeMap<u32, (String, u64, Duration)>> {
+    let mut runs = BTreeMap::new();
+    for info in aya::programs::loaded_programs() {
+        let info = info?;
+        let name = info.name_as_str().unwrap_or_default();
+        if is_ours(name) {
+            runs.insert(info.id(), (name.to_string(), info.run_count(), info.run_time()));
+        }
+    }
+    Ok(runs)
+}
+
+/// Time per delivered packet of each program that ran between `before`
+/// and `after`, summed by name.
+fn program_time(
+    before: &BTreeMap<u32, (String, u64, Duration)>,
+    after: &BTreeMap<u32, (String, u64, Duration)>,
+    delivered: u64,
+) -> Vec<(String, f64)> {
+    let mut by_name: BTreeMap<String, f64> = BTreeMap::new();
+    for (id, (name, runs, time)) in after {
+        let (runs0, time0) = before.get(id).map_or((0, Duration::ZERO), |b| (b.1, b.2));
+        if *runs > runs0 {
+            *by_name.entry(name.clone()).or_default() += (*time - time0).as_nanos() as f64 / delivered.max(1) as f64;
+        }
+    }
+    by_name.into_iter().collect()
+}
+
 pub fn run(work: &Path, warmup: Duration, window: Duration, rounds: usize) -> Result<Results> {
     let mut out = Results { warmup, window, rounds, ..Results::default() };
     for &scale in &SCALES {
@@ -193,12 +237,18 @@ pub fn run(work: &Path, warmup: Duration, window: Duration, rounds: usize) -> Re
             // A different datapath goes first each round.
             for k in 0..benches.len() {
                 let i = (k + round) % benches.len();
-                let s = benches[i].measure(warmup, window)?;
+                let (s, _) = benches[i].measure(warmup, window, false)?;
                 ensure!(s.mpps > 0.0, "{} at {scale} services: nothing got through", benches[i].datapath.label());
                 samples[i].push(s);
             }
         }
         for (bench, samples) in benches.iter().zip(&samples) {
+            // The statistics cost each program run a clock read or two, so
+            // they are on only in a window of their own, whose rate is not kept.
+            let programs = match bench.proxy {
+                Some(_) => bench.measure(warmup, window, true)?.1,
+                None => Vec::new(),
+            };
             let rates: Vec<f64> = samples.iter().map(|s| s.mpps).collect();
             let cpu: Vec<f64> = samples.iter().map(|s| s.cpu_per_mpkt).collect();
             let shares: Vec<f64> = samples.iter().filter_map(|s| s.xdp_share).collect();
@@ -209,14 +259,16 @@ pub fn run(work: &Path, warmup: Duration, window: Duration, rounds: usize) -> Re
                 cpu_per_mpkt: super::micro::median(&cpu),
                 xdp_share: (!shares.is_empty()).then(|| super::micro::median(&shares)),
                 rounds: rates,
+                programs,
             };
             eprintln!(
-                "      {:<30} {:>6.2} Mpps  {:>5.2} CPU s/Mpkt{}  rounds {:?}",
+                "      {:<30} {:>6.2} Mpps  {:>5.2} CPU s/Mpkt{}  rounds {:?}{}",
                 row.datapath.label(),
                 row.mpps,
                 row.cpu_per_mpkt,
                 row.xdp_share.map_or(String::new(), |s| format!("  sent out by XDP {:.0}%", s * 100.0)),
-                row.rounds.iter().map(|r| (r * 100.0).round() / 100.0).collect::<Vec<_>>()
+                row.rounds.iter().map(|r| (r * 100.0).round() / 100.0).collect::<Vec<_>>(),
+                row.programs.iter().map(|(name, ns)| format!("  {name} {ns:.0} ns/packet")).collect::<String>()
             );
             out.rows.push(row);
         }
@@ -266,23 +318,37 @@ impl Bench {
         Ok(Bench { datapath, proxy, pktgen, lan, _node: node })
     }
 
-    /// Sends for `warmup` + `window`; counts over the window.
-    fn measure(&self, warmup: Duration, window: Duration) -> Result<Sample> {
+    /// Sends for `warmup` + `window`; counts over the window. With
+    /// `programs`, the kernel's run-time statistics are on throughout (as
+    /// long as the fd BPF_ENABLE_STATS gives is open), and the window also
+    /// gives ebpf-proxy's programs' time per delivered packet.
+    fn measure(&self, warmup: Duration, window: Duration, programs: bool) -> Result<(Sample, Vec<(String, f64)>)> {
+        let stats = match programs.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime)) {
+            Some(Err(e)) => {
+                // Before Linux 5.8: the table shows no program time.
+                eprintln!("      no program run times: BPF_ENABLE_STATS failed: {e}");
+                None
+            }
+            stats => stats.and_then(Result::ok),
+        };
+        let runs = || if stats.is_some() { program_runs() } else { Ok(BTreeMap::new()) };
         let stop = &AtomicBool::new(false);
         let (pktgen, ns) = (&self.pktgen, &self.lan.ns);
         thread::scope(|s| {
             let sender = s.spawn(move || pktgen.send(ns, "eth0", stop));
-            let counted = (|| -> Result<Sample> {
+            let counted = (|| -> Result<(Sample, Vec<(String, f64)>)> {
                 thread::sleep(warmup);
-                let (sunk, xdp, cpu, t) = (self.pktgen.sunk()?, self.xdp_sent()?, cpu_busy()?, Instant::now());
+                let (sunk, xdp, cpu, runs0, t) = (self.pktgen.sunk()?, self.xdp_sent()?, cpu_busy()?, runs()?, Instant::now());
                 thread::sleep(window);
-                let (sunk1, xdp1, cpu1, elapsed) = (self.pktgen.sunk()?, self.xdp_sent()?, cpu_busy()?, t.elapsed());
+                let (sunk1, xdp1, cpu1, runs1, elapsed) =
+                    (self.pktgen.sunk()?, self.xdp_sent()?, cpu_busy()?, runs()?, t.elapsed());
                 let delivered = (sunk1 - sunk) as f64;
-                Ok(Sample {
+                let sample = Sample {
                     mpps: delivered / elapsed.as_secs_f64() / 1e6,
                     cpu_per_mpkt: (cpu1 - cpu) / (delivered / 1e6).max(1e-9),
                     xdp_share: xdp.zip(xdp1).map(|(a, b)| (b - a) as f64 / delivered.max(1.0)),
-                })
+                };
+                Ok((sample, program_time(&runs0, &runs1, sunk1 - sunk)))
             })();
             stop.store(true, Ordering::Relaxed);
             sender.join().map_err(|_| anyhow::anyhow!("the generator panicked"))??;
@@ -305,4 +371,32 @@ impl Bench {
 fn mac(text: &str) -> Result<[u8; 6]> {
     let bytes: Vec<u8> = text.split(':').map(|b| u8::from_str_radix(b, 16)).collect::<Result<_, _>>()?;
     bytes.try_into().map_err(|_| anyhow::anyhow!("not a MAC address: {text}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only programs that ran in the window count, per delivered packet,
+    /// summed by name; a program loaded during the window counts from zero.
+    #[test]
+    fn program_time_is_what_ran_in_the_window_per_packet() {
+        let ms = Duration::from_millis;
+        let before = BTreeMap::from([
+            (1, ("tc_ingress".to_string(), 10, ms(1))),
+            (2, ("tc_egress".to_string(), 10, ms(1))),
+            (3, ("tc_ingress".to_string(), 5, ms(2))),
+        ]);
+        let after = BTreeMap::from([
+            (1, ("tc_ingress".to_string(), 1010, ms(3))),
+            (2, ("tc_egress".to_string(), 10, ms(1))),
+            (3, ("tc_ingress".to_string(), 6, ms(3))),
+            (4, ("xdp_ingress".to_string(), 1000, ms(4))),
+        ]);
+        // 1000 packets: tc_ingress ran 2 + 1 ms, xdp_ingress 4 ms; tc_egress not at all.
+        let got = program_time(&before, &after, 1000);
+        assert_eq!(got, vec![("tc_ingress".to_string(), 3000.0), ("xdp_ingress".to_string(), 4000.0)]);
+        assert!(is_ours("tc_egress") && is_ours("xdp_ingress"));
+        assert!(!is_ours("xdp_pktgen") && !is_ours("xdp_pktsink") && !is_ours("xdp_pass"));
+    }
 }

@@ -434,9 +434,11 @@ fn pps_targets(t: &mut Vec<Target>, r: &pps::Results) {
                   frame was sent), so every rate includes the floor, the reflector's time per packet, which no \
                   datapath can shed: an XDP path that cost nothing would reach only the \"at most\" ratio, the \
                   other datapath's time per packet over the floor's. The node's own cost (time per packet less \
-                  the floor) compares what each datapath itself spends. What XDP's own cost is: for these \
-                  unanswered flows two conntrack walks (an unconfirmed flow misses the confirmed table first; \
-                  an answered flow takes one), the FIB lookup, and the rewrite. Closing it: a generator on \
+                  the floor) compares what each datapath itself spends; the program-time table in the \
+                  packets-per-second section shows how much of it is ebpf-proxy's programs. What XDP's \
+                  own cost is: for these unanswered flows two conntrack walks (an unconfirmed flow misses \
+                  the confirmed table first; an answered flow takes one), the FIB lookup, and the rewrite. \
+                  Closing it: a generator on \
                   CPUs of its own, or another machine (threaded NAPI on the node's veth, pinned to the other \
                   CPU, was tried: the cross-CPU wakeups cut every rate 1.5 to 4x); in the datapath, a \
                   16-byte IPv4 conntrack key (less hashing, a smaller entry)."
@@ -921,6 +923,50 @@ fn pps_section(md: &mut String, r: &pps::Results) {
         );
     }
     let _ = writeln!(md);
+    pps_program_time(md, r);
+}
+
+/// ebpf-proxy's programs' own time per packet, beside its datapaths' own
+/// cost: how much of that cost is the programs, and how much the kernel
+/// path around them.
+fn pps_program_time(md: &mut String, r: &pps::Results) {
+    let ours = [Datapath::Xdp, Datapath::Tc];
+    if !r.rows.iter().any(|row| ours.contains(&row.datapath) && !row.programs.is_empty()) {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "ebpf-proxy's programs' own run time per delivered packet (ns), from one more window per datapath \
+         and scale with the kernel's run-time statistics on (BPF_ENABLE_STATS; they add a clock read or two \
+         to each run, and that window's rate is not kept). A tail-called program (xdp_send_out) counts in \
+         the one that called it. Beside it is the datapath's own ns / packet from the table above, from \
+         other windows: what the programs do not account for is the kernel's path around them (for TC, \
+         the stack's receive, routing and transmit).\n"
+    );
+    let mut header = String::from("| datapath |");
+    let mut rule = String::from("|---|");
+    for n in traffic::SCALES {
+        let _ = write!(header, " programs at {} | own ns / packet at {n} |", services(n));
+        rule.push_str("---|---:|");
+    }
+    let _ = writeln!(md, "{header}\n{rule}");
+    for dp in ours {
+        let mut line = format!("| {} |", dp.label());
+        for n in traffic::SCALES {
+            let programs = r.row(n, dp).map(|row| &row.programs[..]).unwrap_or_default();
+            let total: f64 = programs.iter().map(|(_, ns)| ns).sum();
+            let each = programs.iter().map(|(name, ns)| format!("{name} {ns:.0}")).collect::<Vec<_>>().join(" + ");
+            let programs = match programs.len() {
+                0 => "-".to_string(),
+                1 => each,
+                _ => format!("{each} = {total:.0}"),
+            };
+            let own = r.own_ns(n, dp).map_or("-".to_string(), |ns| format!("{ns:.0}"));
+            let _ = write!(line, " {programs} | {own} |");
+        }
+        let _ = writeln!(md, "{line}");
+    }
+    let _ = writeln!(md);
 }
 
 fn not_measured(md: &mut String) {
@@ -1003,7 +1049,12 @@ mod tests {
         for services in traffic::SCALES {
             for datapath in Datapath::ALL {
                 let (mpps, xdp_share) = (mpps(datapath), (datapath == Datapath::Xdp).then_some(xdp_share));
-                r.rows.push(pps::Row { services, datapath, mpps, rounds: vec![mpps], cpu_per_mpkt: 1.0, xdp_share });
+                let programs = match datapath {
+                    Datapath::Xdp => vec![("xdp_ingress".to_string(), 300.0)],
+                    Datapath::Tc => vec![("tc_egress".to_string(), 250.0), ("tc_ingress".to_string(), 200.0)],
+                    _ => Vec::new(),
+                };
+                r.rows.push(pps::Row { services, datapath, mpps, rounds: vec![mpps], cpu_per_mpkt: 1.0, xdp_share, programs });
             }
         }
         r
@@ -1036,6 +1087,8 @@ mod tests {
             "| ebpf-proxy XDP | 1.00 (100% sent out by XDP) | 500 | 1.00 |",
             "| ebpf-proxy TC | 0.50 | 1500 | 1.00 |",
             "| reflector (floor) | 2.00 | floor: 500 in all | 1.00 |",
+            "| ebpf-proxy XDP | xdp_ingress 300 | 500 | xdp_ingress 300 | 500 |",
+            "| ebpf-proxy TC | tc_egress 250 + tc_ingress 200 = 450 | 1500 |",
             "| 1 | 2.00 | 2.50 | 2.50 | 2.50 | 3.00 | 4.00 |",
             "| NodePort packets/s: XDP at least 3x the TC path | 1 service: 2.00x (rounds 1.80-2.40x; own cost 3.00x; \
              at most 4.00x here, were XDP free); 10000 services: 2.00x (rounds 2.00-2.00x; own cost 3.00x; at most \
