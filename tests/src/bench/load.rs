@@ -267,15 +267,25 @@ fn worker(mode: Mode, targets: &[SocketAddr], id: usize, from: Instant, to: Inst
             }
         }
         Mode::TcpKept => {
+            // A connect that fails (a SYN lost to a peer's TIME_WAIT
+            // collision, say) is a failed operation of this load, as in
+            // the other modes, and the next turn dials again.
             let target = targets[id % targets.len()];
-            let mut conn = tcp_connect(target)?;
+            let mut conn = None;
             while Instant::now() < to {
-                match request(&mut conn) {
-                    Ok(()) => tally(true, &mut o),
-                    Err(_) => {
-                        tally(false, &mut o);
-                        conn = tcp_connect(target)?;
-                    }
+                let ok = match &mut conn {
+                    Some(c) => request(c).is_ok(),
+                    None => match tcp_connect(target) {
+                        Ok(c) => {
+                            conn = Some(c);
+                            continue;
+                        }
+                        Err(_) => false,
+                    },
+                };
+                tally(ok, &mut o);
+                if !ok {
+                    conn = None;
                 }
             }
         }
@@ -376,4 +386,24 @@ fn tcp_info(socket: &socket2::Socket) -> Result<nix::libc::tcp_info> {
     };
     anyhow::ensure!(rc == 0, "TCP_INFO: {}", std::io::Error::last_os_error());
     Ok(info)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kept connection that cannot be made is counted as failed
+    /// operations, and the load goes on to the end of its window instead
+    /// of ending the whole run.
+    #[test]
+    fn kept_connection_counts_a_failed_connect_and_goes_on() -> Result<()> {
+        // A port nothing listens on: the connect is refused.
+        let closed = TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+        let (from, to) = (Instant::now(), Instant::now() + Duration::from_millis(100));
+        let o = worker(Mode::TcpKept, &[closed], 0, from, to)?;
+        assert_eq!(o.ops, 0);
+        assert!(o.errors > 0, "{o:?}");
+        assert!(Instant::now() >= to, "the worker stopped before its window ended");
+        Ok(())
+    }
 }
