@@ -183,6 +183,9 @@ struct Sample {
     mpps: f64,
     cpu_per_mpkt: f64,
     xdp_share: Option<f64>,
+    /// With run-time statistics on: ebpf-proxy's programs' time per
+    /// delivered packet (`program_time`); else empty.
+    programs: Vec<(String, f64)>,
 }
 
 /// ebpf-proxy's programs: the ones the agent attaches (tail-called ones
@@ -237,7 +240,7 @@ pub fn run(work: &Path, warmup: Duration, window: Duration, rounds: usize) -> Re
             // A different datapath goes first each round.
             for k in 0..benches.len() {
                 let i = (k + round) % benches.len();
-                let (s, _) = benches[i].measure(warmup, window, false)?;
+                let s = benches[i].measure(warmup, window, false)?;
                 ensure!(s.mpps > 0.0, "{} at {scale} services: nothing got through", benches[i].datapath.label());
                 samples[i].push(s);
             }
@@ -246,7 +249,7 @@ pub fn run(work: &Path, warmup: Duration, window: Duration, rounds: usize) -> Re
             // The statistics cost each program run a clock read or two, so
             // they are on only in a window of their own, whose rate is not kept.
             let programs = match bench.proxy {
-                Some(_) => bench.measure(warmup, window, true)?.1,
+                Some(_) => bench.measure(warmup, window, true)?.programs,
                 None => Vec::new(),
             };
             let rates: Vec<f64> = samples.iter().map(|s| s.mpps).collect();
@@ -322,33 +325,29 @@ impl Bench {
     /// `programs`, the kernel's run-time statistics are on throughout (as
     /// long as the fd BPF_ENABLE_STATS gives is open), and the window also
     /// gives ebpf-proxy's programs' time per delivered packet.
-    fn measure(&self, warmup: Duration, window: Duration, programs: bool) -> Result<(Sample, Vec<(String, f64)>)> {
-        let stats = match programs.then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime)) {
-            Some(Err(e)) => {
-                // Before Linux 5.8: the table shows no program time.
-                eprintln!("      no program run times: BPF_ENABLE_STATS failed: {e}");
-                None
-            }
-            stats => stats.and_then(Result::ok),
-        };
+    fn measure(&self, warmup: Duration, window: Duration, programs: bool) -> Result<Sample> {
+        // Before Linux 5.8 this fails, and the table shows no program time.
+        let stats = programs
+            .then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime))
+            .and_then(|on| on.map_err(|e| eprintln!("      no program run times: BPF_ENABLE_STATS failed: {e}")).ok());
         let runs = || if stats.is_some() { program_runs() } else { Ok(BTreeMap::new()) };
         let stop = &AtomicBool::new(false);
         let (pktgen, ns) = (&self.pktgen, &self.lan.ns);
         thread::scope(|s| {
             let sender = s.spawn(move || pktgen.send(ns, "eth0", stop));
-            let counted = (|| -> Result<(Sample, Vec<(String, f64)>)> {
+            let counted = (|| -> Result<Sample> {
                 thread::sleep(warmup);
                 let (sunk, xdp, cpu, runs0, t) = (self.pktgen.sunk()?, self.xdp_sent()?, cpu_busy()?, runs()?, Instant::now());
                 thread::sleep(window);
                 let (sunk1, xdp1, cpu1, runs1, elapsed) =
                     (self.pktgen.sunk()?, self.xdp_sent()?, cpu_busy()?, runs()?, t.elapsed());
                 let delivered = (sunk1 - sunk) as f64;
-                let sample = Sample {
+                Ok(Sample {
                     mpps: delivered / elapsed.as_secs_f64() / 1e6,
                     cpu_per_mpkt: (cpu1 - cpu) / (delivered / 1e6).max(1e-9),
                     xdp_share: xdp.zip(xdp1).map(|(a, b)| (b - a) as f64 / delivered.max(1.0)),
-                };
-                Ok((sample, program_time(&runs0, &runs1, sunk1 - sunk)))
+                    programs: program_time(&runs0, &runs1, sunk1 - sunk),
+                })
             })();
             stop.store(true, Ordering::Relaxed);
             sender.join().map_err(|_| anyhow::anyhow!("the generator panicked"))??;
